@@ -1,0 +1,1 @@
+"""GPU workers and the models they run."""

@@ -1,0 +1,89 @@
+"""DrafterWorker: the DFlash drafter, its paged per-request context KV, and
+batched propose. It owns no bookkeeping: the scheduler hands it slots and
+block tables for the context pool."""
+
+from __future__ import annotations
+
+import torch
+
+from specray.actors.kv_cache import allocate_kv_cache
+from specray.actors.models.dflash import DFlashDrafter
+from specray.actors.target import resolve_device
+from specray.actors.weights import Checkpoint, CheckpointError, torch_dtype
+from specray.config import DrafterSpec, TargetSpec
+from specray.plan import DraftBatch, DraftOutput
+from specray.sampling import sample_draft_tokens
+
+
+def load_shared_head(target: TargetSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's ``embed_tokens`` and ``lm_head`` (the drafter's are the
+    target's own)."""
+    ckpt = Checkpoint(target.path)
+    shape = (target.vocab_size, target.hidden_size)
+    embed = ckpt.get("model.embed_tokens.weight", shape)
+    if target.tie_word_embeddings:
+        return embed, embed
+    if "lm_head.weight" not in ckpt:
+        raise CheckpointError(f"checkpoint {target.path!r} has no lm_head.weight and tie_word_embeddings is false")
+    return embed, ckpt.get("lm_head.weight", shape)
+
+
+class DrafterWorker:
+    def __init__(
+        self,
+        spec: DrafterSpec,
+        target_spec: TargetSpec,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_model_len: int,
+        draft_top_k: int = 64,
+    ):
+        spec.check_fits(target_spec)
+        self.spec = spec
+        self.device = resolve_device(device)
+        self.dtype = torch_dtype(dtype)
+        self.draft_top_k = draft_top_k
+        # Block rows reach max_model_len - 1 + B - 1 when a block is cut short.
+        self.model = DFlashDrafter(spec, self.dtype, self.device, max_positions=max_model_len + spec.block_size)
+        embed, lm_head = load_shared_head(target_spec)
+        self.model.load(Checkpoint(spec.path), embed, lm_head)
+        self.kv_cache: torch.Tensor | None = None
+
+    def bytes_per_block(self, block_size: int) -> int:
+        s = self.spec
+        return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        s = self.spec
+        self.kv_cache = allocate_kv_cache(
+            s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def store_context(self, hidden_tapped: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Append accepted positions ``[n]`` to the context KV."""
+        if hidden_tapped.shape[0] == 0:
+            return
+        self.model.store_context(
+            hidden_tapped.to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            slot_mapping.to(self.device, non_blocking=True),
+            self.kv_cache,
+        )
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        dev = self.device
+        ctx_lens = batch.ctx_lens.to(dev, non_blocking=True)
+        hidden = self.model.propose_hidden(
+            batch.block_ids.to(dev, non_blocking=True),
+            ctx_lens,
+            batch.block_lens.to(dev, non_blocking=True),
+            batch.block_tables.to(dev, non_blocking=True),
+            batch.max_ctx_len,
+            self.kv_cache,
+        )
+        logits = self.model.logits(hidden[:, 1:])
+        tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), ctx_lens, self.draft_top_k)
+        return DraftOutput(tokens, idx, q)

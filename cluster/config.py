@@ -1,0 +1,333 @@
+"""Typed configs: the target and drafter model specs (read from config.json)
+and the engine's own settings. Everything is validated here, at the edge, so
+that workers can trust what they are given."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A checkpoint or setting that specray cannot use; the message says why."""
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} is missing: a checkpoint directory needs a config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_file} must hold a JSON object")
+    return cfg
+
+
+def _need(cfg: dict, key: str, where: str):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{where}: config.json lacks {key!r}")
+    return cfg[key]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @staticmethod
+    def from_hf(cfg: dict, where: str) -> "RopeSpec":
+        # transformers >= 5 writes rope_parameters; older files carry
+        # rope_theta + rope_scaling.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        params = {**scaling, **params}
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ConfigError(f"{where}: rope type {kind!r} is not supported (default, linear, llama3)")
+        return RopeSpec(
+            theta=float(theta),
+            kind=kind,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A Qwen3 or Llama dense causal LM, as its config.json describes it."""
+
+    path: str
+    arch: str  # "qwen3" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+    layer_window: tuple[int | None, ...] = ()
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    @staticmethod
+    def from_dir(path: str | os.PathLike) -> "TargetSpec":
+        cfg = read_config_json(path)
+        where = f"target {str(path)!r}"
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "")
+        if "Qwen3ForCausalLM" in archs or model_type == "qwen3":
+            arch = "qwen3"
+        elif "LlamaForCausalLM" in archs or model_type == "llama":
+            arch = "llama"
+        else:
+            raise ConfigError(
+                f"{where}: architecture {archs or model_type!r} is not supported "
+                "(Qwen3ForCausalLM, LlamaForCausalLM)"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act {act!r} is not supported (silu)")
+        hidden = int(_need(cfg, "hidden_size", where))
+        heads = int(_need(cfg, "num_attention_heads", where))
+        gen_eos = _generation_eos(path)
+        num_layers = int(_need(cfg, "num_hidden_layers", where))
+        layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
+        if cfg.get("use_sliding_window") is False:
+            layer_types = ["full_attention"] * num_layers
+        windows = tuple(
+            int(cfg["sliding_window"]) if t == "sliding_attention" and cfg.get("sliding_window") else None
+            for t in layer_types
+        )
+        return TargetSpec(
+            path=str(path),
+            arch=arch,
+            vocab_size=int(_need(cfg, "vocab_size", where)),
+            hidden_size=hidden,
+            intermediate_size=int(_need(cfg, "intermediate_size", where)),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeSpec.from_hf(cfg, where),
+            layer_window=windows,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=gen_eos or _eos_ids(cfg.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def _generation_eos(path) -> tuple[int, ...]:
+    gen = Path(path) / "generation_config.json"
+    if not gen.is_file():
+        return ()
+    try:
+        return _eos_ids(json.loads(gen.read_text()).get("eos_token_id"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return ()
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A DFlash drafter in the DFlash authors' checkpoint format."""
+
+    path: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    attention_bias: bool
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_causal: tuple[bool, ...]
+    layer_window: tuple[int | None, ...]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @staticmethod
+    def from_dir(path: str | os.PathLike) -> "DrafterSpec":
+        cfg = read_config_json(path)
+        where = f"drafter {str(path)!r}"
+        archs = cfg.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise ConfigError(
+                f"{where}: architectures is {archs!r}; a DFlash drafter declares "
+                "['DFlashDraftModel']"
+            )
+        dcfg = cfg.get("dflash_config") or {}
+
+        def value(name, default=None):
+            return dcfg.get(name, cfg.get(name, default))
+
+        hidden = int(_need(cfg, "hidden_size", where))
+        heads = int(_need(cfg, "num_attention_heads", where))
+        num_layers = int(_need(cfg, "num_hidden_layers", where))
+        num_target_layers = int(_need(cfg, "num_target_layers", where))
+        layer_ids = value("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        mask = value("mask_token_id")
+        if mask is None:
+            raise ConfigError(f"{where}: config.json lacks dflash_config.mask_token_id")
+        layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
+        if len(layer_types) != num_layers:
+            raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+        forced_causal = cfg.get("is_causal")
+        window = cfg.get("sliding_window")
+        causal, windows = [], []
+        for t in layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"{where}: layer type {t!r} is not supported")
+            sliding = t == "sliding_attention"
+            # Same rule as the reference: sliding layers are causal unless
+            # the config says otherwise.
+            causal.append(sliding if forced_causal is None else bool(forced_causal))
+            if sliding and not window:
+                raise ConfigError(f"{where}: sliding_attention layers need sliding_window")
+            windows.append(int(window) if sliding else None)
+        softcap = value("final_logit_softcapping")
+        return DrafterSpec(
+            path=str(path),
+            vocab_size=int(_need(cfg, "vocab_size", where)),
+            hidden_size=hidden,
+            intermediate_size=int(_need(cfg, "intermediate_size", where)),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeSpec.from_hf(cfg, where),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            block_size=int(value("block_size", 16)),
+            num_target_layers=num_target_layers,
+            mask_token_id=int(mask),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            layer_causal=tuple(causal),
+            layer_window=tuple(windows),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )
+
+    def check_fits(self, target: TargetSpec) -> None:
+        """The drafter reads the target's hidden states and shares its
+        embedding and lm_head: shapes and ids must agree."""
+        where = f"drafter {self.path!r} does not fit target {target.path!r}"
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"{where}: hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}"
+            )
+        if self.vocab_size != target.vocab_size:
+            raise ConfigError(f"{where}: vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"{where}: mask_token_id {self.mask_token_id} is outside the vocabulary")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad or not self.target_layer_ids:
+            raise ConfigError(
+                f"{where}: target_layer_ids {list(self.target_layer_ids)} must lie in "
+                f"[0, {target.num_layers}) (the target has {target.num_layers} layers)"
+            )
+        if self.num_target_layers != target.num_layers:
+            raise ConfigError(
+                f"{where}: it was built for {self.num_target_layers} target layers, "
+                f"the target has {target.num_layers}"
+            )
+        if self.block_size < 2:
+            raise ConfigError(f"{where}: block_size must be >= 2, got {self.block_size}")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The DFlash authors' default: evenly spaced over layers 1 .. L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """What an engine runs and how much it may hold."""
+
+    target: str
+    drafter: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None  # None: the target's max_position_embeddings
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory
+    num_draft_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Rejection sampling keeps the draft distribution restricted to its top
+    # draft_top_k tokens: exact for any q, and cheap to ship to the target.
+    draft_top_k: int = 64
+    num_speculative_tokens: int | None = None  # None: block_size - 1
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

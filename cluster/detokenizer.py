@@ -1,0 +1,63 @@
+"""Tokenizer loading, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from specray.request import Request
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's HF tokenizer (offline), or None if it ships none:
+    the engine then takes token-id prompts only."""
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def detokenize_step(tokenizer, req: Request) -> str:
+    """Text added by the request's newest token(s). Decodes a short window
+    twice (before / after) so that multi-token characters and leading spaces
+    come out right; returns "" while a character is still incomplete."""
+    if tokenizer is None:
+        return ""
+    ids = req.all_token_ids
+    skip = req.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[req.detok_prefix_offset : req.detok_read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[req.detok_prefix_offset :], skip_special_tokens=skip)
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        req.detok_prefix_offset = req.detok_read_offset
+        req.detok_read_offset = len(ids)
+        return full[len(prefix) :]
+    return ""
+
+
+def init_detokenizer(req: Request) -> None:
+    n = len(req.prompt_token_ids)
+    req.detok_prefix_offset = max(n - 5, 0)
+    req.detok_read_offset = n
+
+
+def find_stop_string(req: Request, new_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last ``new_len`` characters
+    of the request's text: ``(index where it starts, the string)``."""
+    best = None
+    for s in req.params.stop:
+        start = max(0, len(req.text) - new_len - len(s) + 1)
+        i = req.text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def stop_holdback(req: Request) -> int:
+    """Characters to hold back from a stream: a tail that could still turn
+    into a stop string must not be sent before we know."""
+    if req.finished or not req.params.stop:
+        return 0
+    return max(len(s) for s in req.params.stop) - 1

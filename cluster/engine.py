@@ -1,0 +1,387 @@
+"""EngineCore: the speculative step loop.
+
+One step:
+  1. plan: decode blocks for running requests, prefill chunks for new ones;
+  2. propose: one batched drafter forward for every decoding request;
+  3. verify: one target forward over all verify blocks and prefill chunks;
+  4. accept: greedy or rejection sampling, one host sync for the results;
+  5. feedback: tapped hidden states of accepted rows enter the drafter's
+     context KV; rejected target KV is rolled back; finished requests free
+     their blocks.
+
+The core talks to a target and a drafter through four calls
+(``target.execute``, ``target.hidden_rows``, ``drafter.propose``,
+``drafter.store_context``): in-process workers here, the rank-0 side of a
+Ray actor group in the distributed backend.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from specray.actors.kv_cache import BlockAllocator, block_table_tensor
+from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
+from specray.detokenizer import (
+    detokenize_step,
+    find_stop_string,
+    init_detokenizer,
+    stop_holdback,
+)
+from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
+from specray.request import Request, RequestOutput, Status
+from specray.sampling import SamplingParams, SamplingTensors, verify
+from specray.scheduler import DecodeItem, PrefillItem, Scheduler, StepPlan
+
+
+@dataclass
+class StepStats:
+    """Wall time of the last step and of its model passes (seconds)."""
+
+    num_decode: int = 0
+    num_prefill_tokens: int = 0
+    total: float = 0.0
+    propose: float = 0.0
+    verify: float = 0.0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target_spec: TargetSpec,
+        drafter_spec: DrafterSpec | None,
+        target,
+        drafter,
+        tokenizer,
+        max_model_len: int,
+        num_target_blocks: int,
+        num_draft_blocks: int | None,
+    ):
+        self.config = config
+        self.target_spec = target_spec
+        self.drafter_spec = drafter_spec
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.block_size = drafter_spec.block_size if drafter_spec else 1
+        if config.num_speculative_tokens is not None and drafter_spec:
+            self.block_size = min(self.block_size, config.num_speculative_tokens + 1)
+        self.device = target.device
+        kv_bs = config.kv_block_size
+        target_pool = BlockAllocator(num_target_blocks, kv_bs, "target KV")
+        draft_pool = BlockAllocator(num_draft_blocks, kv_bs, "drafter context KV") if drafter else None
+        for pool in filter(None, (target_pool, draft_pool)):
+            if pool.capacity * kv_bs < max_model_len:
+                raise ConfigError(
+                    f"{pool.name} holds {pool.capacity * kv_bs} positions, fewer than max_model_len "
+                    f"{max_model_len}: lower max_model_len or give the cache more memory"
+                )
+        self.scheduler = Scheduler(
+            target_pool,
+            draft_pool,
+            self.block_size,
+            max_model_len,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self.last_step = StepStats()
+
+    # ----------------------------------------------------------- admission
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError naming the
+        problem (the engine's other requests are unaffected)."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len}, minus one token to generate)"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, prompt_text, ids, params, seed, self.target_spec.eos_token_ids)
+        init_detokenizer(req)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the target checkpoint ships no tokenizer: pass token ids as the prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text = prompt
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError("prompt must be a string or a list of token ids") from None
+            if any(isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt token ids must be integers")
+            text = None
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.target_spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return text, ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        stats = StepStats(len(plan.decode), sum(p.end - p.start for p in plan.prefill))
+        if plan.empty:
+            self.last_step = stats
+            return []
+        decode = plan.decode
+        params = [d.request.params for d in decode]
+        st_cpu = SamplingTensors.build(params, [d.request.seed for d in decode], "cpu")
+
+        drafts = None
+        if self.drafter is not None and decode:
+            t = time.perf_counter()
+            drafts = self.drafter.propose(self._draft_batch(decode, st_cpu))
+            stats.propose = time.perf_counter() - t
+
+        batch, draft_dst, draft_src, logit_rows = self._target_batch(decode, plan.prefill)
+        t = time.perf_counter()
+        if drafts is not None:
+            batch.input_ids = batch.input_ids.to(self.device)
+            batch.input_ids[draft_dst.to(self.device)] = drafts.tokens.reshape(-1)[draft_src.to(self.device)]
+        logits = self.target.execute(batch)
+        stats.verify = time.perf_counter() - t
+
+        results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_cpu)
+        outputs = self._apply(decode, plan.prefill, results, batch)
+        stats.total = time.perf_counter() - t0
+        self.last_step = stats
+        return outputs
+
+    def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors) -> DraftBatch:
+        B = self.block_size
+        mask = self.drafter_spec.mask_token_id
+        block_ids = torch.full((len(decode), B), mask, dtype=torch.int64)
+        block_ids[:, 0] = torch.tensor([d.request.all_token_ids[-1] for d in decode])
+        ctx = [d.request.num_computed for d in decode]
+        return DraftBatch(
+            block_ids=block_ids,
+            ctx_lens=torch.tensor(ctx, dtype=torch.int64),
+            block_lens=torch.tensor([d.block_len for d in decode], dtype=torch.int64),
+            block_tables=block_table_tensor([d.request.draft_blocks.blocks for d in decode]),
+            max_ctx_len=max(ctx),
+            sampling=st,
+        )
+
+    def _target_batch(self, decode: list[DecodeItem], prefill: list[PrefillItem]):
+        """Flatten verify blocks and prefill chunks into one TargetBatch.
+
+        Also returns where draft tokens go in ``input_ids`` (``draft_dst``),
+        which draft each one is (``draft_src``, flat index into the
+        ``[S, B-1]`` drafts), and ``logit_rows``: the ``[S, Bmax]`` rows of
+        the logits that hold each verify block (padded with its first row),
+        followed by one row per prefill chunk that samples."""
+        ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        draft_dst, draft_src, logits_indices = [], [], []
+        bmax = max((d.block_len for d in decode), default=1)
+        verify_rows = []
+        G = self.block_size - 1
+        for s, d in enumerate(decode):
+            r = d.request
+            base = len(ids)
+            ids.append(r.all_token_ids[-1])
+            ids.extend([0] * (d.block_len - 1))
+            draft_dst.extend(range(base + 1, base + d.block_len))
+            draft_src.extend(range(s * G, s * G + d.block_len - 1))
+            positions.extend(range(r.num_computed, r.num_computed + d.block_len))
+            slots.extend(r.target_blocks.slots(r.num_computed, r.num_computed + d.block_len))
+            seq_lens.append(r.num_computed + d.block_len)
+            tables.append(r.target_blocks.blocks)
+            rows = list(range(len(logits_indices), len(logits_indices) + d.block_len))
+            verify_rows.append(rows + [rows[0]] * (bmax - d.block_len))
+            logits_indices.extend(range(base, base + d.block_len))
+            starts.append(len(ids))
+        sample_rows = []
+        for p in prefill:
+            r = p.request
+            base = len(ids)
+            ids.extend(r.all_token_ids[p.start : p.end])
+            positions.extend(range(p.start, p.end))
+            slots.extend(r.target_blocks.slots(p.start, p.end))
+            seq_lens.append(p.end)
+            tables.append(r.target_blocks.blocks)
+            if p.is_last_chunk and not r.output_token_ids:
+                sample_rows.append(len(logits_indices))
+                logits_indices.append(len(ids) - 1)
+            starts.append(len(ids))
+        q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        attn = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=block_table_tensor(tables),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+        )
+        batch = TargetBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            attn=attn,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            want_hidden=self.drafter is not None,
+        )
+        logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
+        return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
+
+    def _accept(self, decode, prefill, logits, logit_rows, drafts, st_cpu):
+        """Accepted counts, emitted bonus tokens and first tokens of
+        finished prefills, brought to the host in one transfer."""
+        dev = logits.device
+        verify_rows, sample_rows = (t.to(dev) for t in logit_rows)
+        parts = []
+        S = len(decode)
+        if S:
+            G = verify_rows.shape[1] - 1
+            st = st_cpu.to(dev)
+            starts = torch.tensor([d.request.num_computed for d in decode], device=dev)
+            num_drafts = torch.tensor([d.block_len - 1 for d in decode], device=dev)
+            if drafts is not None:
+                draft_tokens = drafts.tokens[:, :G].to(dev)
+                idx = drafts.draft_idx[:, :G].to(dev) if drafts.draft_idx is not None else None
+                q = drafts.draft_q[:, :G].to(dev) if drafts.draft_q is not None else None
+            else:
+                draft_tokens, idx, q = torch.zeros(S, 0, dtype=torch.long, device=dev), None, None
+            res = verify(logits[verify_rows], draft_tokens, num_drafts, st, starts, idx, q)
+            parts += [res.num_accepted, res.bonus, draft_tokens.reshape(-1)]
+        sampling = [p for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
+        if sampling:
+            ps = [p.request.params for p in sampling]
+            st = SamplingTensors.build(ps, [p.request.seed for p in sampling], dev)
+            starts = torch.tensor([p.end - 1 for p in sampling], device=dev)
+            no_drafts = torch.zeros(len(sampling), 0, dtype=torch.long, device=dev)
+            zeros = torch.zeros(len(sampling), dtype=torch.long, device=dev)
+            first = verify(logits[sample_rows][:, None], no_drafts, zeros, st, starts)
+            parts.append(first.bonus)
+        host = torch.cat([p.reshape(-1).long() for p in parts]).tolist() if parts else []
+        G = verify_rows.shape[1] - 1 if S else 0
+        n_acc, bonus = host[:S], host[S : 2 * S]
+        draft_list = host[2 * S : 2 * S + S * G]
+        firsts = host[2 * S + S * G :]
+        return n_acc, bonus, [draft_list[s * G : (s + 1) * G] for s in range(S)], firsts
+
+    def _apply(self, decode, prefill, results, batch) -> list[RequestOutput]:
+        n_acc, bonus, drafts, firsts = results
+        outputs: list[RequestOutput] = []
+        ctx_rows, ctx_pos, ctx_slots = [], [], []
+        row = 0
+        for s, d in enumerate(decode):
+            r = d.request
+            a = n_acc[s]
+            emitted = drafts[s][:a] + [bonus[s]]
+            produced = self._append(r, emitted)
+            r.metrics.record_step(d.block_len - 1, min(a, produced), produced)
+            if not r.finished:
+                new_computed = r.num_computed + a + 1
+                if self.drafter is not None:
+                    ctx_rows.extend(range(row, row + a + 1))
+                    ctx_pos.extend(range(r.num_computed, new_computed))
+                    ctx_slots.extend(r.draft_blocks.slots(r.num_computed, new_computed))
+                self.scheduler.commit(r, new_computed)
+            outputs.append(self._output(r))
+            row += d.block_len
+        first_iter = iter(firsts)
+        for p in prefill:
+            r = p.request
+            if self.drafter is not None:
+                ctx_rows.extend(range(row, row + p.end - p.start))
+                ctx_pos.extend(range(p.start, p.end))
+                ctx_slots.extend(r.draft_blocks.slots(p.start, p.end))
+            row += p.end - p.start
+            self.scheduler.commit(r, p.end)
+            if p.is_last_chunk:
+                if not r.output_token_ids:
+                    self._append(r, [next(first_iter)])
+                outputs.append(self._output(r))
+        if ctx_rows:
+            rows = torch.tensor(ctx_rows, dtype=torch.int64)
+            self.drafter.store_context(
+                self.target.hidden_rows(rows),
+                torch.tensor(ctx_pos, dtype=torch.int64),
+                torch.tensor(ctx_slots, dtype=torch.int64),
+            )
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
+        return outputs
+
+    def _append(self, r: Request, tokens: list[int]) -> int:
+        """Append emitted tokens one by one, stopping at the first stop
+        condition; returns how many were kept."""
+        stops = r.stop_token_ids
+        kept = 0
+        for tok in tokens:
+            r.output_token_ids.append(tok)
+            kept += 1
+            if r.metrics.first_token_time is None:
+                r.metrics.first_token_time = time.monotonic()
+            new_text = detokenize_step(self.tokenizer, r)
+            r.text += new_text
+            reason = None
+            if tok in stops:
+                reason, r.stop_reason = "stop", tok
+            elif new_text and r.params.stop and (hit := find_stop_string(r, len(new_text))):
+                r.text = r.text[: hit[0]]
+                reason, r.stop_reason = "stop", hit[1]
+            elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(r, reason)
+                r.metrics.finished_time = time.monotonic()
+                break
+        return kept
+
+    def _output(self, r: Request) -> RequestOutput:
+        visible = len(r.text) - stop_holdback(r)
+        delta_text = r.text[r.sent_text_len : max(visible, r.sent_text_len)]
+        r.sent_text_len = max(visible, r.sent_text_len)
+        delta_ids = r.output_token_ids[r.sent_token_len :]
+        r.sent_token_len = len(r.output_token_ids)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt=r.prompt,
+            prompt_token_ids=r.prompt_token_ids,
+            text=r.text,
+            token_ids=list(r.output_token_ids),
+            finished=r.finished,
+            finish_reason=r.finish_reason,
+            metrics=r.metrics,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            stop_reason=r.stop_reason,
+        )

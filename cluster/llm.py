@@ -1,0 +1,127 @@
+"""The offline API: ``LLM(target=..., drafter=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
+from specray.detokenizer import load_tokenizer
+from specray.engine import EngineCore
+from specray.request import RequestOutput
+from specray.sampling import SamplingParams
+
+
+def resolve_max_model_len(config: EngineConfig, target: TargetSpec) -> int:
+    limit = target.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len {config.max_model_len} exceeds the target's max_position_embeddings {limit}"
+        )
+    return config.max_model_len
+
+
+def size_kv_pools(config: EngineConfig, workers: list, device) -> int:
+    """Blocks per pool when the workers share one device: the target pool and
+    the drafter context pool cover the same positions, so they get the same
+    number of blocks and split the memory by their per-block cost."""
+    from specray.actors.target import free_memory_bytes
+
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = sum(w.bytes_per_block(config.kv_block_size) for w in workers)
+    budget = free_memory_bytes(device, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30)
+    n = int(budget // per_block)
+    if n < 2:
+        raise MemoryError(
+            f"{budget / 2**20:.0f} MiB left for KV caches holds {n} blocks of {per_block / 2**20:.2f} MiB; "
+            "lower max_model_len or give the cache more memory"
+        )
+    return n
+
+
+def build_engine(config: EngineConfig) -> EngineCore:
+    """An in-process engine: target and drafter in this process, on
+    ``config.device``."""
+    from specray.actors.drafter import DrafterWorker
+    from specray.actors.target import TargetWorker
+
+    target_spec = TargetSpec.from_dir(config.target)
+    drafter_spec = DrafterSpec.from_dir(config.drafter) if config.drafter else None
+    if drafter_spec is not None:
+        drafter_spec.check_fits(target_spec)
+    max_model_len = resolve_max_model_len(config, target_spec)
+    dtype = config.resolved_dtype
+    target = TargetWorker(
+        target_spec,
+        device=config.device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tap_layer_ids=drafter_spec.target_layer_ids if drafter_spec else (),
+    )
+    drafter = None
+    if drafter_spec is not None:
+        drafter = DrafterWorker(
+            drafter_spec,
+            target_spec,
+            device=config.device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            draft_top_k=config.draft_top_k,
+        )
+    workers = [w for w in (target, drafter) if w is not None]
+    num_blocks = size_kv_pools(config, workers, target.device)
+    for w in workers:
+        w.init_cache(num_blocks, config.kv_block_size)
+    return EngineCore(
+        config,
+        target_spec,
+        drafter_spec,
+        target,
+        drafter,
+        load_tokenizer(config.target),
+        max_model_len,
+        num_target_blocks=num_blocks,
+        num_draft_blocks=num_blocks if drafter else None,
+    )
+
+
+class LLM:
+    """Batch generation with DFlash speculative decoding.
+
+    ``drafter=None`` decodes autoregressively with the same engine: the
+    baseline every benchmark compares against."""
+
+    def __init__(self, target: str, drafter: str | None = None, device: str = "cpu", dtype: str | None = None, **kwargs):
+        self.config = EngineConfig(target=str(target), drafter=str(drafter) if drafter else None, device=device, dtype=dtype, **kwargs)
+        self.engine = build_engine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order. A prompt is text or a list of token ids.
+        Every prompt is validated before any runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in prompts:
+            self.engine._tokenize(p)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

@@ -1,0 +1,80 @@
+"""What the control plane hands the workers each step: plain dataclasses of
+CPU tensors (they cross process boundaries as they are)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specray.sampling import SamplingTensors
+
+
+@dataclass
+class AttentionMetadata:
+    """Explicit per-forward attention metadata (no HF cache objects).
+
+    ``num_tokens`` query tokens belong to ``num_seqs`` sequences; sequence
+    ``s`` owns rows ``query_start_loc[s]:query_start_loc[s+1]``, which are
+    its last positions once ``seq_lens[s]`` positions are cached.
+    """
+
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64, cached length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+    def to(self, device) -> "AttentionMetadata":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionMetadata(
+            move(self.positions),
+            move(self.slot_mapping),
+            move(self.query_start_loc),
+            move(self.seq_lens),
+            move(self.block_tables),
+            self.max_query_len,
+            self.max_seq_len,
+        )
+
+
+@dataclass
+class TargetBatch:
+    """One target forward: verify blocks and prefill chunks together."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logit_rows] int64, rows of input_ids
+    want_hidden: bool  # tap hidden states for the drafter
+
+
+@dataclass
+class ContextUpdate:
+    """Accepted positions whose tapped hidden states enter the drafter's
+    context KV. ``hidden_rows`` index the rows of the target output that
+    carried them (the worker that holds the hidden states selects them)."""
+
+    hidden_rows: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    slot_mapping: torch.Tensor  # [n] int64, drafter context pool
+
+
+@dataclass
+class DraftBatch:
+    """One batched propose: block ``[last, MASK x (B-1)]`` per request."""
+
+    block_ids: torch.Tensor  # [S, B] int64
+    ctx_lens: torch.Tensor  # [S] int64 = position of the block's first row
+    block_lens: torch.Tensor  # [S] int64, real rows of each block (<= B)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, drafter context pool
+    max_ctx_len: int
+    sampling: SamplingTensors
+
+
+@dataclass
+class DraftOutput:
+    tokens: torch.Tensor  # [S, B-1] int64
+    draft_idx: torch.Tensor | None  # [S, B-1, K] when any row samples
+    draft_q: torch.Tensor | None  # [S, B-1, K]

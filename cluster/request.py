@@ -1,0 +1,127 @@
+"""A request's life on the control plane, and what users get back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specray.actors.kv_cache import BlockTable
+from specray.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"  # prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Speculative-decoding and latency figures of one request.
+
+    ``acceptance_lengths`` has one entry per decode step: tokens that step
+    produced (accepted drafts + 1), the DFlash paper's definition."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts proposed and verified
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def record_step(self, num_drafts: int, num_accepted: int, produced: int) -> None:
+        self.acceptance_lengths.append(produced)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
+class RequestOutput:
+    """Everything generated so far for one request; ``delta_*`` holds what
+    is new since the previous output of the same request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    metrics: RequestMetrics
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string hit
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Positions whose target KV (and drafter context) are valid. While
+    # decoding, exactly the tokens before the last one.
+    num_computed: int = 0
+    target_blocks: BlockTable | None = None
+    draft_blocks: BlockTable | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Detokenizer state (see detokenizer.py).
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+
+    def __post_init__(self):
+        self.metrics.arrival_time = time.monotonic()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Positions to compute before decoding starts: the whole prompt, or
+        after preemption everything but the last token (already sampled)."""
+        return self.num_tokens - 1 if self.output_token_ids else len(self.prompt_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.prefill_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids

@@ -1,0 +1,259 @@
+"""Sampling parameters, greedy verification and lossless speculative
+rejection sampling.
+
+Randomness is counter-based: every uniform is a hash of (request seed,
+absolute token position, stream). Outputs therefore do not depend on batch
+composition, step boundaries or which process samples, and a request
+recomputed after preemption reproduces itself. It stays exact: a step's
+emitted tokens depend only on the uniforms of positions up to the first
+rejection, so the uniforms the next step uses are still fresh.
+
+The draft distribution ``q`` is the drafter's filtered distribution
+restricted to its top ``K`` tokens and renormalised. Rejection sampling is
+exact for any ``q`` that is known exactly, and ``[K]`` indices + probs per
+draft row are cheap to ship from a drafter on another GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+STREAM_DRAFT = 1  # drafter samples a draft token
+STREAM_ACCEPT = 2  # accept / reject a draft token
+STREAM_TOKEN = 3  # target samples an emitted token (bonus, residual, AR)
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): no top-k
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (or -1 for none), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of a batch, as tensors on the sampling
+    device."""
+
+    temperature: torch.Tensor  # [S] fp32; 0 = greedy
+    top_p: torch.Tensor  # [S] fp32
+    top_k: torch.Tensor  # [S] int64; 0 = off
+    seeds: torch.Tensor  # [S] int64
+    all_greedy: bool = field(default=True)
+
+    @staticmethod
+    def build(params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
+        return SamplingTensors(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            all_greedy=all(p.greedy for p in params),
+        )
+
+    def to(self, device) -> "SamplingTensors":
+        return SamplingTensors(
+            self.temperature.to(device),
+            self.top_p.to(device),
+            self.top_k.to(device),
+            self.seeds.to(device),
+            self.all_greedy,
+        )
+
+
+# ---------------------------------------------------------------- randomness
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # 32-bit avalanche in int64 lanes; multipliers stay below 2**31 so no
+    # product overflows int64.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """A uniform in the open interval (0, 1) (float64) for every (seed,
+    position) pair, broadcast together, in ``stream``."""
+    seeds = seeds.to(torch.int64)
+    positions = positions.to(torch.int64)
+    x = _mix32((seeds & _M32) ^ ((stream * 0x9E3779B9) & _M32))
+    x = _mix32(x ^ ((seeds >> 32) & _M32))
+    x = _mix32(x ^ (positions & _M32))
+    x = _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
+    return (x.double() + 0.5) / 4294967296.0
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ``[N, V]`` (need not be normalised),
+    driven by ``u`` ``[N]`` in (0, 1). A token of probability 0 is never
+    drawn."""
+    cdf = probs.double().cumsum(-1)
+    x = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+# ------------------------------------------------------------ distributions
+def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int = 1) -> torch.Tensor:
+    """Softmax of ``logits`` ``[S * rows_per_seq, V]`` at each row's
+    temperature, restricted to its top-k then top-p set (the same rule as
+    the DFlash reference). Greedy rows come back as one-hot argmax."""
+    expand = (lambda t: t.repeat_interleave(rows_per_seq)) if rows_per_seq > 1 else (lambda t: t)
+    temp, top_p, top_k = expand(st.temperature), expand(st.top_p), expand(st.top_k)
+    greedy = temp == 0
+    scores = logits.float() / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    V = scores.shape[-1]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=scores.device)[None]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+    sorted_scores = sorted_scores.masked_fill(ranks >= k[:, None], float("-inf"))
+    sorted_probs = sorted_scores.softmax(-1)
+    keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]
+    sorted_probs = sorted_probs * keep
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    if greedy.any():
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def sparse_draft(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Restrict each row of ``probs`` ``[N, V]`` to its top ``k`` tokens and
+    renormalise: ``(indices [N, k] int64, q [N, k] fp32)``."""
+    k = min(k, probs.shape[-1])
+    q, idx = probs.topk(k, dim=-1)
+    return idx, q / q.sum(-1, keepdim=True)
+
+
+def sample_draft_tokens(
+    logits: torch.Tensor, st: SamplingTensors, start_positions: torch.Tensor, top_k_sparse: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Draft tokens from draft logits ``[S, G, V]`` for block rows at
+    positions ``start + 1 .. start + G``. Greedy rows take the argmax; the
+    others sample from the sparse ``q`` whose ``(indices, probs)``
+    ``[S, G, K]`` are returned for verification."""
+    S, G, V = logits.shape
+    argmax = logits.argmax(-1)
+    if st.all_greedy:
+        return argmax, None, None
+    probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G)
+    idx, q = sparse_draft(probs, top_k_sparse)
+    pos = start_positions[:, None] + 1 + torch.arange(G, device=logits.device)[None]
+    u = hash_uniform(st.seeds[:, None], pos, STREAM_DRAFT).reshape(-1)
+    choice = sample_inverse_cdf(q, u)
+    sampled = idx.gather(-1, choice[:, None]).squeeze(-1).view(S, G)
+    greedy = (st.temperature == 0)[:, None]
+    K = idx.shape[-1]
+    return torch.where(greedy, argmax, sampled), idx.view(S, G, K), q.view(S, G, K)
+
+
+# ------------------------------------------------------------- verification
+@dataclass
+class VerifyResult:
+    num_accepted: torch.Tensor  # [S] accepted draft tokens
+    bonus: torch.Tensor  # [S] the token emitted after them
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_drafts: torch.Tensor,
+    st: SamplingTensors,
+    start_positions: torch.Tensor,
+    draft_idx: torch.Tensor | None = None,
+    draft_q: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Accept a prefix of each row's drafts and emit one more token.
+
+    ``target_logits`` ``[S, G+1, V]``: row ``i`` is the target's prediction
+    for position ``start + i + 1`` given the block up to row ``i``.
+    ``draft_tokens`` ``[S, G]`` (block rows 1..G); sequence ``s`` uses only
+    its first ``num_drafts[s]`` drafts. Greedy rows accept while the draft
+    equals the target argmax; sampled rows run speculative rejection
+    sampling against the sparse draft distribution.
+    """
+    S, G1, V = target_logits.shape
+    G = G1 - 1
+    device = target_logits.device
+    i = torch.arange(G, device=device)[None]
+    real = i < num_drafts[:, None]
+    rows = torch.arange(S, device=device)
+    argmax = target_logits.argmax(-1)  # [S, G+1]
+    match = (draft_tokens[:, :G] == argmax[:, :G]) & real
+    n_greedy = match.int().cumprod(-1).sum(-1)
+    if st.all_greedy:
+        return VerifyResult(n_greedy, argmax[rows, n_greedy])
+
+    p = filtered_probs(target_logits.reshape(S * G1, V), st, rows_per_seq=G1).view(S, G1, V)
+    if G > 0:
+        p_d = p[:, :G].gather(-1, draft_tokens[:, :G, None]).squeeze(-1)
+        q_d = (draft_q * (draft_idx == draft_tokens[:, :G, None])).sum(-1)
+        u = hash_uniform(st.seeds[:, None], start_positions[:, None] + 1 + i, STREAM_ACCEPT)
+        accept = (u * q_d < p_d) & real
+        n_sampled = accept.int().cumprod(-1).sum(-1)
+    else:
+        n_sampled = torch.zeros(S, dtype=torch.long, device=device)
+    # Rejected at row n: resample from norm(max(p - q, 0)); all accepted: the
+    # bonus comes from p itself.
+    p_row = p[rows, n_sampled]
+    rejected = n_sampled < num_drafts
+    if G > 0:
+        at = n_sampled.clamp(max=G - 1)
+        q_row = torch.zeros_like(p_row).scatter_add_(-1, draft_idx[rows, at], draft_q[rows, at])
+        residual = (p_row - q_row * rejected[:, None]).clamp_min(0)
+        total = residual.sum(-1, keepdim=True)
+        residual = torch.where(total > 0, residual, p_row)
+    else:
+        residual = p_row
+    u = hash_uniform(st.seeds, start_positions + n_sampled + 1, STREAM_TOKEN)
+    sampled_bonus = sample_inverse_cdf(residual, u)
+
+    greedy = st.temperature == 0
+    return VerifyResult(
+        torch.where(greedy, n_greedy, n_sampled),
+        torch.where(greedy, argmax[rows, n_greedy], sampled_bonus),
+    )

@@ -1,0 +1,98 @@
+"""Random small checkpoints for tests: HF targets (Qwen3 / Llama) and DFlash
+drafters in the authors' format, saved as safetensors directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    eos_token_id=1,
+    bos_token_id=0,
+)
+
+
+def make_target(path: Path, arch: str = "qwen3", seed: int = 0, init_std: float = 0.1, **overrides):
+    """Save a random HF causal LM under ``path``; return the HF model (fp32,
+    eval). A larger init than HF's default keeps argmax margins wide so that
+    greedy comparisons are not decided by rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = {**TINY, **overrides}
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        config, cls = Qwen3Config(**cfg), Qwen3ForCausalLM
+    else:
+        config, cls = LlamaConfig(**cfg), LlamaForCausalLM
+    config.initializer_range = init_std
+    model = cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+def make_drafter(
+    path: Path,
+    target_config,
+    seed: int = 1,
+    num_layers: int = 2,
+    block_size: int = 8,
+    target_layer_ids=(1, 2),
+    layer_types=None,
+    sliding_window=None,
+    mask_token_id: int | None = None,
+    init_std: float = 0.1,
+):
+    """Save a random DFlash drafter for ``target_config``; return the
+    reference ``dflash.model.DFlashDraftModel`` (fp32, eval)."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    tc = target_config
+    config = Qwen3Config(
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", tc.hidden_size // tc.num_attention_heads),
+        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps,
+        layer_types=list(layer_types) if layer_types else ["full_attention"] * num_layers,
+        sliding_window=sliding_window,
+        use_sliding_window=bool(sliding_window),
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.block_size = block_size
+    config.num_target_layers = tc.num_hidden_layers
+    mask = tc.vocab_size - 1 if mask_token_id is None else mask_token_id
+    config.dflash_config = {"mask_token_id": mask, "target_layer_ids": list(target_layer_ids)}
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path), safe_serialization=True)
+    # The authors' checkpoints carry these at the top level too.
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["DFlashDraftModel"]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return model
