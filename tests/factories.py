@@ -96,3 +96,30 @@ def make_drafter(
     cfg["architectures"] = ["DFlashDraftModel"]
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return model
+
+
+def add_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` ids, trained on a
+    few sentences, with a chat template; ids 0/1 are <s>/</s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = ["The capital of France is Paris.", "Hello world, this is a test of the tokenizer.",
+            "Speculative decoding drafts a block of tokens and verifies them at once."] * 20
+    tok.train_from_iterator(text, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    fast.save_pretrained(str(path))

@@ -1,0 +1,109 @@
+"""``specray`` command line: generate | serve | batch | bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter for the default target)")
+    p.add_argument("--no-drafter", action="store_true", help="decode autoregressively (the baseline)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int)
+
+
+def resolve_models(args) -> tuple[str, str | None]:
+    """Explicit directories, or the embedded default pair."""
+    target, drafter = args.target, args.drafter
+    if target is None:
+        from specray.default_model import default_drafter_dir, ensure_default_target
+
+        target = str(ensure_default_target())
+        if drafter is None and not args.no_drafter:
+            drafter = default_drafter_dir()
+    if args.no_drafter:
+        drafter = None
+    return target, drafter
+
+
+def _sampling(args):
+    from specray import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def cmd_generate(args) -> int:
+    from specray import LLM
+
+    target, drafter = resolve_models(args)
+    t = time.perf_counter()
+    llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    load_s = time.perf_counter() - t
+    prompt = args.prompt
+    if args.chat and llm.tokenizer is not None:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    t = time.perf_counter()
+    out = llm.generate(prompt, _sampling(args))[0]
+    gen_s = time.perf_counter() - t
+    m = out.metrics
+    stats = {
+        "tokens": len(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "decode_steps": len(m.acceptance_lengths),
+        "mean_acceptance_length": round(m.mean_acceptance_length, 3),
+        "acceptance_lengths": m.acceptance_lengths,
+        "tokens_per_s": round(len(out.token_ids) / gen_s, 2),
+        "load_s": round(load_s, 2),
+        "drafter": drafter,
+    }
+    print(out.text)
+    print(json.dumps(stats) if args.json else "\n-- " + ", ".join(f"{k}={v}" for k, v in stats.items() if k != "acceptance_lengths"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt and print acceptance stats")
+    _add_model_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specray.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
+        print(f"specray: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Bad input gets a clear error naming the problem, and a running engine
+keeps serving its other requests."""
+
+import json
+import shutil
+
+import pytest
+
+from factories import make_drafter, make_target
+from specray import LLM, ConfigError, SamplingParams
+from specray.config import EngineConfig
+from specray.llm import build_engine
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    hf = make_target(root / "t", max_position_embeddings=64)
+    make_drafter(root / "d", hf.config)
+    return root, hf
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(max_tokens=-3), "max_tokens must be at least 1"),
+        (dict(temperature=-0.1), "temperature must be non-negative"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-2), "top_k must be"),
+        (dict(seed="x"), "seed must be an integer"),
+        (dict(stop=[3]), "stop must be"),
+    ],
+)
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_engine_keeps_serving_after_bad_requests(ckpt):
+    root, _ = ckpt
+    engine = build_engine(EngineConfig(target=str(root / "t"), drafter=str(root / "d"), num_kv_blocks=64))
+    good = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    with pytest.raises(ValueError, match="prompt has 64 tokens; this model takes at most 63"):
+        engine.add_request(list(range(2, 66)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([5, 10_000], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="ships no tokenizer"):
+        engine.add_request("hello", SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5], SamplingParams(max_tokens=4), request_id=good)
+    done = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done = o
+    assert done.request_id == good and len(done.token_ids) == 20
+
+
+def test_missing_and_corrupt_checkpoints(ckpt, tmp_path):
+    root, _ = ckpt
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        LLM(empty)
+    t = tmp_path / "t"
+    shutil.copytree(root / "t", t)
+    (t / "model.safetensors").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(ConfigError, match="cannot read weight file .*model.safetensors"):
+        LLM(t)
+    (t / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors weight files"):
+        LLM(t)
+    shutil.copytree(root / "t", tmp_path / "t2")
+    (tmp_path / "t2" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LLM(tmp_path / "t2")
+
+
+def test_truncated_weights_name_the_tensor(ckpt, tmp_path):
+    root, _ = ckpt
+    from safetensors.torch import load_file, save_file
+
+    t = tmp_path / "t"
+    shutil.copytree(root / "t", t)
+    tensors = load_file(t / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, t / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="model.layers.1.mlp.up_proj.weight.* is missing"):
+        LLM(t)
+
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if k == "dflash_config":
+            cfg["dflash_config"].update(v)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(hidden_size=128), "hidden_size 128 != target hidden_size 64"),
+        (dict(vocab_size=999), "vocab_size 999 != target vocab_size 320"),
+        (dict(dflash_config={"target_layer_ids": [1, 7]}), r"target_layer_ids \[1, 7\] must lie in \[0, 4\)"),
+        (dict(dflash_config={"mask_token_id": 5000}), "mask_token_id 5000 is outside the vocabulary"),
+        (dict(num_target_layers=36), "built for 36 target layers"),
+        (dict(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
+    ],
+)
+def test_drafter_that_does_not_fit(ckpt, tmp_path, changes, match):
+    root, _ = ckpt
+    d = _edit_config(root / "d", tmp_path / "d", **changes)
+    with pytest.raises(ConfigError, match=match):
+        LLM(root / "t", d)
+
+
+def test_engine_config_errors(ckpt):
+    root, _ = ckpt
+    with pytest.raises(ConfigError, match="exceeds the target's max_position_embeddings 64"):
+        LLM(root / "t", max_model_len=1000)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        LLM(root / "t", dtype="int8")
+    with pytest.raises(ConfigError, match="fewer than max_model_len"):
+        LLM(root / "t", num_kv_blocks=3, kv_block_size=4)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        LLM(root / "t").generate([[1], [2]], [SamplingParams()])

@@ -1,0 +1,101 @@
+"""Engine behaviour around the decode loop: text prompts, stop strings and
+stop tokens, streaming deltas, aborts, and block accounting."""
+
+import pytest
+
+from factories import add_tokenizer, make_drafter, make_target
+from specray import LLM, SamplingParams
+from specray.config import EngineConfig
+from specray.llm import build_engine
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    hf = make_target(root / "t", seed=3)
+    add_tokenizer(root / "t", hf.config.vocab_size)
+    make_drafter(root / "d", hf.config)
+    return root
+
+
+def run(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_text_prompt_stop_string_and_streaming(ckpt):
+    llm = LLM(ckpt / "t", ckpt / "d")
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = llm.generate("The capital of France is", greedy)[0]
+    assert len(full.token_ids) == 40 and full.text
+    # Stop at a string taken from the middle of the text.
+    cut = len(full.text) // 2
+    stop = full.text[cut : cut + 3]
+    first = full.text.find(stop)
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=stop))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:first]
+    assert full.token_ids[: len(out.token_ids)] == out.token_ids
+
+    # Streaming: deltas joined equal the final text, tokens arrive over
+    # several steps, and nothing of the stop string leaks out.
+    engine = llm.engine
+    rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=stop))
+    chunks = run(engine)[rid]
+    assert len(chunks) > 2
+    assert "".join(c.delta_text for c in chunks) == out.text
+    assert sum((c.delta_token_ids for c in chunks), []) == out.token_ids
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_stop_token_and_eos(ckpt):
+    llm = LLM(ckpt / "t", ckpt / "d")
+    full = llm.generate([7, 8, 9], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    stop_tok = full.token_ids[10]
+    first = full.token_ids.index(stop_tok)
+    out = llm.generate([7, 8, 9], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_abort_mid_stream_frees_every_block(ckpt):
+    engine = build_engine(EngineConfig(target=str(ckpt / "t"), drafter=str(ckpt / "d"), num_kv_blocks=200, kv_block_size=4))
+    a = engine.add_request([5] * 30, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    b = engine.add_request([6] * 10, SamplingParams(max_tokens=50, temperature=0.8, seed=1, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    pools = (engine.scheduler.target_pool, engine.scheduler.draft_pool)
+    assert all(p.num_free < p.capacity for p in pools)
+    out = engine.abort_request(a)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.abort_request(a) is None  # twice is harmless
+    assert engine.abort_request("no-such-id") is None
+    rest = run(engine)
+    assert rest[b][-1].finished and len(rest[b][-1].token_ids) == 50
+    assert all(p.num_free == p.capacity for p in pools)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt):
+    llm = LLM(ckpt / "t", ckpt / "d")
+    p = SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    alone = llm.generate([9, 10, 11], p)[0]
+    batch = llm.generate([[1, 2, 3, 4, 5], [9, 10, 11], [30] * 12],
+                         [SamplingParams(max_tokens=30, temperature=1.0, seed=1, ignore_eos=True), p,
+                          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)])
+    assert batch[1].token_ids == alone.token_ids
+    ar = LLM(ckpt / "t").generate([9, 10, 11], p)[0]
+    assert len(ar.token_ids) == 25  # same params run on the autoregressive engine too
+
+
+def test_metrics(ckpt):
+    llm = LLM(ckpt / "t", ckpt / "d")
+    out = llm.generate([3, 4, 5], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    m = out.metrics
+    assert sum(m.acceptance_lengths) == len(out.token_ids) - 1  # the first token comes from prefill
+    assert m.mean_acceptance_length >= 1
+    assert m.num_accepted_tokens == sum(a - 1 for a in m.acceptance_lengths)
+    assert sum(m.accepted_per_position) == m.num_accepted_tokens
+    assert m.ttft is not None and m.ttft >= 0
