@@ -18,6 +18,7 @@ Ray actor group in the distributed backend.
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
+        # Fast tokenizers are not safe to share between threads (requests are
+        # tokenized by callers while the step thread detokenizes).
+        self.tokenizer_lock = threading.Lock()
         self.last_step = StepStats()
 
     # ----------------------------------------------------------- admission
@@ -103,10 +107,24 @@ class EngineCore:
     ) -> str:
         """Validate and queue a request; raises ValueError naming the
         problem (the engine's other requests are unaffected)."""
+        req = self.make_request(prompt, params, request_id)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.admit(req)
+        return req.request_id
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and tokenize without touching engine state (safe to call
+        from another thread than the one stepping)."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -116,15 +134,18 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, prompt_text, ids, params, seed, self.target_spec.eos_token_ids)
         init_detokenizer(req)
-        self.requests[request_id] = req
+        return req
+
+    def admit(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return request_id
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("the target checkpoint ships no tokenizer: pass token ids as the prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            with self.tokenizer_lock:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text = prompt
         else:
             try:
@@ -350,7 +371,8 @@ class EngineCore:
             kept += 1
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = time.monotonic()
-            new_text = detokenize_step(self.tokenizer, r)
+            with self.tokenizer_lock:
+                new_text = detokenize_step(self.tokenizer, r)
             r.text += new_text
             reason = None
             if tok in stops:

@@ -91,15 +91,44 @@ class LLM:
     """Batch generation with DFlash speculative decoding.
 
     ``drafter=None`` decodes autoregressively with the same engine: the
-    baseline every benchmark compares against."""
+    baseline every benchmark compares against. ``backend="ray"`` runs the
+    target as ``tensor_parallel_size`` Ray actors and the drafter as its own
+    actor (``drafter_placement="separate"``) or inside target rank 0
+    (``"colocated"``)."""
 
-    def __init__(self, target: str, drafter: str | None = None, device: str = "cpu", dtype: str | None = None, **kwargs):
-        self.config = EngineConfig(target=str(target), drafter=str(drafter) if drafter else None, device=device, dtype=dtype, **kwargs)
-        self.engine = build_engine(self.config)
+    def __init__(
+        self,
+        target: str,
+        drafter: str | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        backend: str = "inprocess",
+        tensor_parallel_size: int = 1,
+        drafter_placement: str = "separate",
+        **kwargs,
+    ):
+        self.config = EngineConfig(
+            target=str(target), drafter=str(drafter) if drafter else None, device=device, dtype=dtype, **kwargs
+        )
+        self.backend = backend
+        self.engine: EngineCore | None = None
+        self._core = None
+        if backend == "inprocess":
+            if tensor_parallel_size != 1:
+                raise ConfigError("tensor_parallel_size > 1 needs backend='ray'")
+            self.engine = build_engine(self.config)
+            self._tokenizer = self.engine.tokenizer
+        elif backend == "ray":
+            from specray.async_engine import make_core
+
+            self._core = make_core(self.config, "ray", tensor_parallel_size, drafter_placement)
+            self._tokenizer = load_tokenizer(self.config.target)
+        else:
+            raise ConfigError(f"backend must be 'inprocess' or 'ray', got {backend!r}")
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer
 
     def generate(
         self,
@@ -116,12 +145,30 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for p in prompts:
-            self.engine._tokenize(p)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        if self._core is not None:
+            from specray.async_engine import generate_sync
+
+            return generate_sync(self._core, prompts, params)
+        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self.engine.admit(r)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
+        while len(done) < len(reqs):
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-        return [done[i] for i in ids]
+        return [done[r.request_id] for r in reqs]
+
+    def stats(self) -> dict:
+        return self._core.stats() if self._core is not None else {}
+
+    def shutdown(self) -> None:
+        if self._core is not None:
+            self._core.shutdown()
+            self._core = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,190 @@
+"""Channels between the workers of one engine.
+
+A message is a command code plus a list of tensors. It travels as a small
+fixed-size int64 header (command, then dtype and shape of every tensor)
+followed by the tensors themselves, so the receiver allocates exactly what
+arrives and no Python object is ever pickled on the hot path.
+
+Implementations:
+
+* ``InProcessChannel``: a pair of queues (tests, one-process engines);
+* ``TorchP2PChannel``: ``torch.distributed`` send/recv between two ranks of a
+  process group: gloo between CPU processes;
+* ``CupyNcclChannel``: NCCL through CuPy between two GPUs (target rank 0 and
+  a drafter on its own GPU). NCCL refuses two ranks on one device: a drafter
+  colocated with rank 0 runs inside rank 0's process instead.
+
+``broadcast_message`` sends the same message from TP rank 0 to the other
+ranks of the TP group (the step plan).
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+HEADER_LEN = 128
+_MAX_DIMS = 4
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def encode_header(cmd: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = cmd, len(tensors)
+    i = 2
+    for t in tensors:
+        if t.dim() > _MAX_DIMS:
+            raise ValueError(f"tensors of more than {_MAX_DIMS} dims do not travel ({tuple(t.shape)})")
+        header[i], header[i + 1] = _CODE[t.dtype], t.dim()
+        header[i + 2 : i + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        i += 2 + _MAX_DIMS
+    if i > HEADER_LEN:
+        raise ValueError(f"too many tensors in one message ({len(tensors)})")
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[int, list[tuple[torch.dtype, tuple[int, ...]]]]:
+    h = header.tolist()
+    cmd, n = h[0], h[1]
+    specs, i = [], 2
+    for _ in range(n):
+        dtype, ndim = _DTYPES[h[i]], h[i + 1]
+        specs.append((dtype, tuple(h[i + 2 : i + 2 + ndim])))
+        i += 2 + _MAX_DIMS
+    return cmd, specs
+
+
+class Channel(Protocol):
+    def send(self, cmd: int, tensors: list[torch.Tensor]) -> None: ...
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]: ...
+
+
+class InProcessChannel:
+    """One end of an in-process pair; ``pair()`` makes both ends."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue):
+        self._in, self._out = inbox, outbox
+
+    @staticmethod
+    def pair() -> tuple["InProcessChannel", "InProcessChannel"]:
+        a, b = queue.Queue(), queue.Queue()
+        return InProcessChannel(a, b), InProcessChannel(b, a)
+
+    def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
+        self._out.put((cmd, [t.clone() for t in tensors]))
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]:
+        return self._in.get()
+
+
+class TorchP2PChannel:
+    """send/recv with ``peer`` over a torch.distributed group (gloo: CPU
+    tensors; NCCL: tensors on this rank's GPU)."""
+
+    def __init__(self, peer: int, device: torch.device | str = "cpu", group=None):
+        self.peer, self.device, self.group = peer, torch.device(device), group
+
+    def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
+        dist.send(encode_header(cmd, tensors).to(self.device), self.peer, group=self.group)
+        for t in tensors:
+            if t.numel():
+                dist.send(t.to(self.device).contiguous(), self.peer, group=self.group)
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(header, self.peer, group=self.group)
+        cmd, specs = decode_header(header.cpu())
+        out = []
+        for dtype, shape in specs:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if t.numel():
+                dist.recv(t, self.peer, group=self.group)
+            out.append(t)
+        return cmd, out
+
+
+class CupyNcclChannel:
+    """Point-to-point NCCL between two GPUs through CuPy. Both ends build it
+    with the same ``unique_id`` (from ``nccl_unique_id()`` on one side,
+    passed through Ray at set-up); rank 0 is the target, rank 1 the drafter.
+    Send/recv are issued on the current torch stream, so they order with the
+    kernels around them without host syncs."""
+
+    _NCCL_DTYPE = {
+        torch.float32: "NCCL_FLOAT32",
+        torch.bfloat16: "NCCL_BFLOAT16",
+        torch.float16: "NCCL_FLOAT16",
+        torch.int64: "NCCL_INT64",
+        torch.int32: "NCCL_INT32",
+        torch.uint8: "NCCL_UINT8",
+        torch.bool: "NCCL_UINT8",
+    }
+
+    def __init__(self, unique_id, rank: int, device: torch.device):
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.device = torch.device(device)
+        self.peer = 1 - rank
+        with torch.cuda.device(self.device):
+            self.comm = nccl.NcclCommunicator(2, unique_id, rank)
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _dtype(self, dtype):
+        return getattr(self._nccl, self._NCCL_DTYPE[dtype])
+
+    def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
+        msgs = [encode_header(cmd, tensors).to(self.device)] + [
+            t.to(self.device).contiguous() for t in tensors if t.numel()
+        ]
+        self._nccl.groupStart()
+        for t in msgs:
+            self.comm.send(t.data_ptr(), t.numel(), self._dtype(t.dtype), self.peer, self._stream())
+        self._nccl.groupEnd()
+        self._keepalive = msgs  # the buffers must outlive the queued sends
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self.comm.recv(header.data_ptr(), HEADER_LEN, self._dtype(torch.int64), self.peer, self._stream())
+        cmd, specs = decode_header(header.cpu())  # the one sync: shapes decide allocation
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+        self._nccl.groupStart()
+        for t in out:
+            if t.numel():
+                self.comm.recv(t.data_ptr(), t.numel(), self._dtype(t.dtype), self.peer, self._stream())
+        self._nccl.groupEnd()
+        return cmd, out
+
+
+def nccl_unique_id():
+    from cupy.cuda import nccl
+
+    return nccl.get_unique_id()
+
+
+def broadcast_message(cmd: int, tensors: list[torch.Tensor], group, device, src: int = 0) -> None:
+    """Rank ``src`` of ``group`` sends a message to every other rank."""
+    dist.broadcast(encode_header(cmd, tensors).to(device), src=src, group=group)
+    for t in tensors:
+        if t.numel():
+            dist.broadcast(t.to(device).contiguous(), src=src, group=group)
+
+
+def receive_broadcast(group, device, src: int = 0) -> tuple[int, list[torch.Tensor]]:
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=src, group=group)
+    cmd, specs = decode_header(header.cpu())
+    out = []
+    for dtype, shape in specs:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if t.numel():
+            dist.broadcast(t, src=src, group=group)
+        out.append(t)
+    return cmd, out

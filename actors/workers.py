@@ -1,0 +1,324 @@
+"""The Ray actors of one engine, as plain classes (``ray.remote`` wraps them
+at placement time, so this module does not import Ray).
+
+* ``TargetRank``: one tensor-parallel rank. Rank 0 (the driver) owns the
+  scheduler and steps the engine in a thread; every step it broadcasts the
+  TargetBatch to the other ranks (followers), which run it in lockstep.
+* ``DrafterActor``: the drafter and its context KV on its own device,
+  serving propose / store-context messages from rank 0 over a Channel.
+
+Per step nothing goes through Ray: the plan travels over the TP group
+(gloo / NCCL), hidden states and drafts over the drafter channel.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from specray.actors.drafter import DrafterWorker
+from specray.actors.models.layers import TPContext
+from specray.actors.target import TargetWorker, free_memory_bytes, resolve_device
+from specray.actors.transport import (
+    CupyNcclChannel,
+    TorchP2PChannel,
+    broadcast_message,
+    nccl_unique_id,
+    receive_broadcast,
+)
+from specray.config import DrafterSpec, EngineConfig, TargetSpec
+from specray.plan import AttentionMetadata, DraftBatch, DraftOutput, TargetBatch
+from specray.sampling import SamplingTensors
+
+CMD_STOP, CMD_STEP, CMD_CONTEXT, CMD_PROPOSE, CMD_DRAFTS = 0, 1, 2, 3, 4
+_EMPTY = torch.zeros(0)
+
+
+# --------------------------------------------------------------- packing
+def pack_target_batch(b: TargetBatch) -> list[torch.Tensor]:
+    a = b.attn
+    meta = torch.tensor([a.max_query_len, a.max_seq_len, int(b.want_hidden)], dtype=torch.int64)
+    return [b.input_ids, a.positions, a.slot_mapping, a.query_start_loc, a.seq_lens, a.block_tables,
+            b.logits_indices, meta]
+
+
+def unpack_target_batch(ts: list[torch.Tensor]) -> TargetBatch:
+    ids, pos, slots, qsl, seq_lens, tables, logit_idx, meta = ts
+    max_q, max_s, want_hidden = meta.tolist()
+    return TargetBatch(ids, AttentionMetadata(pos, slots, qsl, seq_lens, tables, max_q, max_s), logit_idx,
+                       bool(want_hidden))
+
+
+def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
+    st = b.sampling
+    meta = torch.tensor([b.max_ctx_len, int(st.all_greedy)], dtype=torch.int64)
+    return [b.block_ids, b.ctx_lens, b.block_lens, b.block_tables, st.temperature, st.top_p, st.top_k,
+            st.seeds, meta]
+
+
+def unpack_draft_batch(ts: list[torch.Tensor]) -> DraftBatch:
+    block_ids, ctx_lens, block_lens, tables, temp, top_p, top_k, seeds, meta = ts
+    max_ctx, all_greedy = meta.tolist()
+    return DraftBatch(block_ids, ctx_lens, block_lens, tables, max_ctx,
+                      SamplingTensors(temp, top_p, top_k, seeds, bool(all_greedy)))
+
+
+def pack_draft_output(o: DraftOutput) -> list[torch.Tensor]:
+    return [o.tokens, o.draft_idx if o.draft_idx is not None else _EMPTY,
+            o.draft_q if o.draft_q is not None else _EMPTY]
+
+
+def unpack_draft_output(ts: list[torch.Tensor]) -> DraftOutput:
+    tokens, idx, q = ts
+    return DraftOutput(tokens, idx if idx.numel() else None, q if q.numel() else None)
+
+
+# ------------------------------------------------------- distributed set-up
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port for the rendezvous."""
+    ip = os.environ.get("SPECRAY_NODE_IP")
+    if ip is None:
+        try:
+            import ray
+
+            ip = ray.util.get_node_ip_address()
+        except Exception:
+            ip = "127.0.0.1"
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return ip, s.getsockname()[1]
+
+
+def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int, device: torch.device):
+    """Join the engine's process group (TP ranks 0..tp-1, then the drafter
+    if it runs apart) and return the TP subgroup (None for the drafter)."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    # new_group is collective over the whole world, drafter included.
+    tp_group = dist.new_group(list(range(tp_size)))
+    return tp_group if rank < tp_size else None
+
+
+class _Channels:
+    """How rank 0 and a separate drafter talk: NCCL via CuPy between GPUs,
+    torch.distributed gloo between CPU processes."""
+
+    @staticmethod
+    def make(kind: str, rank_in_pair: int, device: torch.device, unique_id=None, peer: int | None = None):
+        if kind == "nccl":
+            return CupyNcclChannel(unique_id, rank_in_pair, device)
+        return TorchP2PChannel(peer, "cpu")
+
+
+# ------------------------------------------------------------ the drafter
+class RemoteDrafter:
+    """Rank 0's stand-in for a drafter that lives in another process."""
+
+    def __init__(self, channel, device):
+        self.channel, self.device = channel, device
+
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        self.channel.send(CMD_PROPOSE, pack_draft_batch(batch))
+        cmd, ts = self.channel.recv()
+        assert cmd == CMD_DRAFTS, cmd
+        return unpack_draft_output(ts)
+
+    def store_context(self, hidden, positions, slot_mapping) -> None:
+        self.channel.send(CMD_CONTEXT, [hidden, positions, slot_mapping])
+
+    def stop(self) -> None:
+        self.channel.send(CMD_STOP, [])
+
+
+class DrafterActor:
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.config = config
+        self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
+        self.target_spec = TargetSpec.from_dir(config.target)
+        self.spec = DrafterSpec.from_dir(config.drafter)
+        self.worker = DrafterWorker(
+            self.spec, self.target_spec, device=str(self.device), dtype=config.resolved_dtype,
+            max_model_len=max_model_len, draft_top_k=config.draft_top_k,
+        )
+        self.channel = None
+        self.num_steps = 0
+
+    def init_distributed(self, init_method: str, rank: int, world_size: int, tp_size: int) -> None:
+        init_distributed(init_method, rank, world_size, tp_size, self.device)
+
+    def kv_capacity(self) -> int:
+        budget = free_memory_bytes(self.device, self.config.gpu_memory_utilization,
+                                   self.config.cpu_kv_cache_gb * 2**30)
+        return int(budget // self.worker.bytes_per_block(self.config.kv_block_size))
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks, self.config.kv_block_size)
+
+    def connect(self, kind: str, unique_id=None, peer: int | None = None) -> None:
+        self.channel = _Channels.make(kind, 1, self.device, unique_id, peer)
+
+    def serve(self) -> int:
+        """Serve rank 0 until it says stop; returns the steps served."""
+        while True:
+            cmd, ts = self.channel.recv()
+            if cmd == CMD_STOP:
+                return self.num_steps
+            if cmd == CMD_CONTEXT:
+                self.worker.store_context(*ts)
+            elif cmd == CMD_PROPOSE:
+                out = self.worker.propose(unpack_draft_batch(ts))
+                self.channel.send(CMD_DRAFTS, pack_draft_output(out))
+                self.num_steps += 1
+
+
+# ------------------------------------------------------------- the target
+class TPDriver:
+    """Rank 0's view of the whole TP group: runs a batch locally after
+    broadcasting it to the followers."""
+
+    def __init__(self, worker: TargetWorker, group):
+        self.worker, self.group = worker, group
+        self.device = worker.device
+
+    def execute(self, batch: TargetBatch):
+        if self.group is not None and self.worker.tp.size > 1:
+            broadcast_message(CMD_STEP, pack_target_batch(batch), self.group, self._wire_device())
+        return self.worker.execute(batch)
+
+    def hidden_rows(self, rows):
+        return self.worker.hidden_rows(rows)
+
+    def stop(self) -> None:
+        if self.group is not None and self.worker.tp.size > 1:
+            broadcast_message(CMD_STOP, [], self.group, self._wire_device())
+
+    def _wire_device(self):
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+class TargetRank:
+    def __init__(self, config: EngineConfig, rank: int, tp_size: int, max_model_len: int):
+        self.config = config
+        self.rank, self.tp_size = rank, tp_size
+        self.max_model_len = max_model_len
+        self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
+        self.spec = TargetSpec.from_dir(config.target)
+        self.drafter_spec = DrafterSpec.from_dir(config.drafter) if config.drafter else None
+        self.tp_group = None
+        self.worker: TargetWorker | None = None
+        self.loop = None
+        self.calls = {"submit": 0, "abort": 0, "get_outputs": 0}
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def init_distributed(self, init_method: str | None, world_size: int) -> None:
+        if init_method is not None:
+            self.tp_group = init_distributed(init_method, self.rank, world_size, self.tp_size, self.device)
+        taps = self.drafter_spec.target_layer_ids if self.drafter_spec else ()
+        self.worker = TargetWorker(
+            self.spec, device=str(self.device), dtype=self.config.resolved_dtype,
+            max_model_len=self.max_model_len, tap_layer_ids=taps,
+            tp=TPContext(self.rank, self.tp_size, self.tp_group),
+        )
+
+    def kv_capacity(self, with_local_drafter: bool = False) -> int:
+        budget = free_memory_bytes(self.device, self.config.gpu_memory_utilization,
+                                   self.config.cpu_kv_cache_gb * 2**30)
+        per_block = self.worker.bytes_per_block(self.config.kv_block_size)
+        if with_local_drafter:
+            per_block += self._local_drafter().bytes_per_block(self.config.kv_block_size)
+        return int(budget // per_block)
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks, self.config.kv_block_size)
+
+    def _local_drafter(self) -> DrafterWorker:
+        if getattr(self, "_drafter", None) is None:
+            self._drafter = DrafterWorker(
+                self.drafter_spec, self.spec, device=str(self.device), dtype=self.config.resolved_dtype,
+                max_model_len=self.max_model_len, draft_top_k=self.config.draft_top_k,
+            )
+        return self._drafter
+
+    def nccl_unique_id(self):
+        return nccl_unique_id()
+
+    # follower ranks
+    def serve_follower(self) -> int:
+        steps = 0
+        while True:
+            cmd, ts = receive_broadcast(self.tp_group, self._wire_device())
+            if cmd == CMD_STOP:
+                return steps
+            self.worker.execute(unpack_target_batch(ts))
+            steps += 1
+
+    def _wire_device(self):
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # rank 0
+    def start_engine(self, num_target_blocks: int, num_draft_blocks: int | None, drafter_mode: str,
+                     channel_kind: str | None = None, unique_id=None, drafter_rank: int | None = None) -> None:
+        from specray.detokenizer import load_tokenizer
+        from specray.engine import EngineCore
+        from specray.engine_loop import EngineLoop
+
+        target = TPDriver(self.worker, self.tp_group)
+        drafter = None
+        if drafter_mode == "colocated":
+            drafter = self._local_drafter()
+            drafter.init_cache(num_draft_blocks, self.config.kv_block_size)
+        elif drafter_mode == "separate":
+            channel = _Channels.make(channel_kind, 0, self.device, unique_id, drafter_rank)
+            drafter = RemoteDrafter(channel, self.device)
+        core = EngineCore(
+            self.config, self.spec, self.drafter_spec, target, drafter, load_tokenizer(self.config.target),
+            self.max_model_len, num_target_blocks, num_draft_blocks,
+        )
+
+        def on_stop():
+            target.stop()
+            if isinstance(drafter, RemoteDrafter):
+                drafter.stop()
+
+        self.loop = EngineLoop(core, on_stop=on_stop)
+
+    def submit(self, items):
+        self.calls["submit"] += 1
+        return self.loop.submit(items)
+
+    def abort(self, request_ids):
+        self.calls["abort"] += 1
+        self.loop.abort(request_ids)
+
+    def get_outputs(self, timeout: float = 1.0, min_batch_s: float = 0.005):
+        self.calls["get_outputs"] += 1
+        return self.loop.get_outputs(timeout, min_batch_s)
+
+    def stats(self) -> dict:
+        core = self.loop.engine
+        sched = core.scheduler
+        pools = {"target": (sched.target_pool.num_free, sched.target_pool.capacity)}
+        if sched.draft_pool is not None:
+            pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
+        return {
+            "num_steps": self.loop.num_steps,
+            "step_time_s": self.loop.step_time_s,
+            "model_time_s": self.loop.model_time_s,
+            "calls": dict(self.calls),
+            "pools": pools,
+            "num_unfinished": self.loop.num_unfinished(),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+        }
+
+    def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None

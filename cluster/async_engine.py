@@ -1,0 +1,191 @@
+"""AsyncEngine: stream outputs as tokens are accepted, abort by id.
+
+The same front drives an EngineLoop in this process (``backend="inprocess"``)
+or the one inside target rank 0 of a Ray deployment (``backend="ray"``).
+Requests go in through ``submit``; one background task long-polls
+``get_outputs`` and routes each output to its request's queue, so one call
+carries the outputs of many steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from specray.config import EngineConfig
+from specray.request import RequestOutput
+from specray.sampling import SamplingParams
+
+
+class _LocalCore:
+    def __init__(self, loop):
+        self.loop = loop
+
+    def submit(self, items):
+        return self.loop.submit(items)
+
+    def abort(self, ids):
+        self.loop.abort(ids)
+
+    def get_outputs(self, timeout):
+        return self.loop.get_outputs(timeout)
+
+    async def asubmit(self, items):
+        return self.submit(items)
+
+    async def aabort(self, ids):
+        self.abort(ids)
+
+    async def aget_outputs(self, timeout):
+        return await asyncio.to_thread(self.loop.get_outputs, timeout)
+
+    def stats(self) -> dict:
+        sched = self.loop.engine.scheduler
+        pools = {"target": (sched.target_pool.num_free, sched.target_pool.capacity)}
+        if sched.draft_pool is not None:
+            pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
+        return {"num_steps": self.loop.num_steps, "pools": pools, "num_unfinished": self.loop.num_unfinished(),
+                "running": len(sched.running), "waiting": len(sched.waiting)}
+
+    def shutdown(self):
+        self.loop.stop()
+
+
+class _RayCore:
+    def __init__(self, actors):
+        import ray
+
+        self.ray = ray
+        self.actors = actors
+        self.driver = actors.driver
+
+    def submit(self, items):
+        return self.ray.get(self.driver.submit.remote(items))
+
+    def abort(self, ids):
+        self.ray.get(self.driver.abort.remote(ids))
+
+    def get_outputs(self, timeout):
+        return self.ray.get(self.driver.get_outputs.remote(timeout))
+
+    async def asubmit(self, items):
+        return await self.driver.submit.remote(items)
+
+    async def aabort(self, ids):
+        await self.driver.abort.remote(ids)
+
+    async def aget_outputs(self, timeout):
+        return await self.driver.get_outputs.remote(timeout)
+
+    def stats(self) -> dict:
+        return self.ray.get(self.driver.stats.remote())
+
+    def shutdown(self):
+        self.actors.shutdown()
+
+
+def make_core(config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
+              drafter_placement: str = "separate"):
+    if backend == "inprocess":
+        from specray.engine_loop import EngineLoop
+        from specray.llm import build_engine
+
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs backend='ray'")
+        return _LocalCore(EngineLoop(build_engine(config)))
+    if backend == "ray":
+        from specray.placement import start_engine_actors
+
+        return _RayCore(start_engine_actors(config, tensor_parallel_size, drafter_placement))
+    raise ValueError(f"backend must be 'inprocess' or 'ray', got {backend!r}")
+
+
+class AsyncEngine:
+    def __init__(self, core):
+        self.core = core
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pump: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
+                    drafter_placement: str = "separate") -> "AsyncEngine":
+        return cls(make_core(config, backend, tensor_parallel_size, drafter_placement))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time the request gains tokens (with
+        ``delta_text`` / ``delta_token_ids``), the last one ``finished``.
+        Closing the iterator early (a client gone) aborts the request."""
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            err = (await self.core.asubmit([(prompt, params or SamplingParams(), rid)]))[0]
+            if err is not None:
+                finished = True
+                raise ValueError(err)
+            self._ensure_pump()
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                await self.core.aabort([rid])
+
+    async def abort(self, request_id: str) -> None:
+        await self.core.aabort([request_id])
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def _ensure_pump(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._pump_outputs())
+
+    async def _pump_outputs(self) -> None:
+        while self._queues:
+            try:
+                outs = await self.core.aget_outputs(0.5)
+            except Exception as e:  # the engine died: fail every stream
+                for q in self._queues.values():
+                    q.put_nowait(RuntimeError(f"engine failure: {e}"))
+                return
+            for o in outs:
+                q = self._queues.get(o.request_id)
+                if q is not None:
+                    q.put_nowait(o)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+    """Blocking batch generation through a core (in-process or Ray)."""
+    ids = [uuid.uuid4().hex for _ in prompts]
+    errors = core.submit(list(zip(prompts, params, ids)))
+    bad = [(i, e) for i, e in enumerate(errors) if e]
+    if bad:
+        core.abort([ids[i] for i, e in enumerate(errors) if not e])
+        i, e = bad[0]
+        raise ValueError(f"prompt {i}: {e}")
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(ids):
+        for o in core.get_outputs(1.0):
+            if o.finished:
+                done[o.request_id] = o
+    return [done[i] for i in ids]

@@ -1,0 +1,138 @@
+"""EngineLoop: an EngineCore stepping in its own thread, fed through a
+thread-safe inbox and drained through an outbox.
+
+It is the same object in-process (behind the async engine) and inside the
+rank-0 actor of a Ray deployment (behind three actor methods). Callers submit
+and abort in batches and collect outputs in batches, so the step loop itself
+never waits on a caller and makes no RPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from specray.engine import EngineCore
+from specray.request import RequestOutput
+from specray.sampling import SamplingParams
+
+log = logging.getLogger("specray.engine_loop")
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, on_stop=None):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._outbox: list[RequestOutput] = []
+        self._live: set[str] = set()  # ids submitted and not yet finished
+        self._stopped = False
+        self._on_stop = on_stop
+        self.num_steps = 0
+        self.step_time_s = 0.0
+        self.model_time_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ callers
+    def submit(self, items: list[tuple]) -> list[str | None]:
+        """``items``: ``(prompt, params, request_id)``. Returns, per item,
+        None when queued or the error message that rejected it."""
+        errors: list[str | None] = []
+        accepted = []
+        for prompt, params, request_id in items:
+            try:
+                if isinstance(params, dict):
+                    params = SamplingParams(**params)
+                req = self.engine.make_request(prompt, params, request_id)
+                with self._cv:
+                    if req.request_id in self._live:
+                        raise ValueError(f"request id {req.request_id!r} is already in use")
+                    self._live.add(req.request_id)
+                accepted.append(req)
+                errors.append(None)
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+        with self._cv:
+            if self._stopped:
+                return ["the engine has shut down"] * len(items)
+            self._inbox.extend(("add", r) for r in accepted)
+            self._cv.notify_all()
+        return errors
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._cv:
+            self._inbox.extend(("abort", rid) for rid in request_ids)
+            self._cv.notify_all()
+
+    def get_outputs(self, timeout: float = 1.0, min_batch_s: float = 0.0) -> list[RequestOutput]:
+        """Outputs since the last call. Waits up to ``timeout`` for the
+        first one, then ``min_batch_s`` more so that one call carries the
+        outputs of several steps."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._outbox and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cv.wait(left)
+        if min_batch_s > 0:
+            time.sleep(min_batch_s)
+        with self._cv:
+            out, self._outbox = self._outbox, []
+        return out
+
+    def num_unfinished(self) -> int:
+        with self._cv:
+            return len(self._live)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    # --------------------------------------------------------------- loop
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not engine.has_unfinished() and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                commands, self._inbox = self._inbox, []
+            outputs: list[RequestOutput] = []
+            for kind, arg in commands:
+                if kind == "add":
+                    engine.admit(arg)
+                else:
+                    out = engine.abort_request(arg)
+                    if out is not None:
+                        outputs.append(out)
+            if engine.has_unfinished():
+                try:
+                    t = time.perf_counter()
+                    outputs.extend(engine.step())
+                    self.step_time_s += time.perf_counter() - t
+                    self.model_time_s += engine.last_step.propose + engine.last_step.verify
+                    self.num_steps += 1
+                except Exception:
+                    # Fail what was in flight, free its blocks, keep serving.
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    for rid in list(engine.requests):
+                        out = engine.abort_request(rid)
+                        if out is not None:
+                            out.finish_reason = "error"
+                            outputs.append(out)
+            if outputs:
+                with self._cv:
+                    for o in outputs:
+                        if o.finished:
+                            self._live.discard(o.request_id)
+                    self._outbox.extend(outputs)
+                    self._cv.notify_all()
+        if self._on_stop is not None:
+            self._on_stop()

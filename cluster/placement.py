@@ -1,0 +1,181 @@
+"""Start one engine on a Ray cluster: a placement group with a bundle per
+target TP rank (plus one for the drafter when it runs apart), the actors,
+their process group and channels, and the serving loops.
+
+``drafter_placement``:
+  * ``"separate"``: the drafter is its own actor with its own GPU (or CPU
+    process), fed over NCCL via CuPy (GPU) or gloo (CPU);
+  * ``"colocated"``: the drafter shares target rank 0's GPU and runs inside
+    rank 0's process (NCCL cannot pair two ranks on one device).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from specray.config import ConfigError, EngineConfig, TargetSpec
+
+
+def ensure_ray(num_cpus: int | None = None):
+    """Connect to ``RAY_ADDRESS`` if set, else start a local Ray bound to
+    loopback. A local cluster declares at least 8 logical CPUs: actors that
+    mostly wait (followers, a CPU drafter) should not need a core each."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, logging_level="WARNING")
+        else:
+            ray.init(
+                num_cpus=num_cpus or max(8, os.cpu_count() or 1),
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                logging_level="WARNING",
+            )
+    return ray
+
+
+@dataclass
+class EngineActors:
+    """Handles of one running engine on Ray."""
+
+    driver: object  # TargetRank 0: the EngineLoop lives here
+    ranks: list
+    drafter: object | None
+    placement_group: object
+    loops: list = field(default_factory=list)  # refs of the blocking serve loops
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        import ray
+
+        try:
+            ray.get(self.driver.shutdown.remote(), timeout=timeout_s)
+            ray.get(self.loops, timeout=timeout_s)
+        except Exception:
+            pass
+        for a in [*self.ranks, self.drafter]:
+            if a is not None:
+                ray.kill(a)
+        ray.util.remove_placement_group(self.placement_group)
+
+
+def _check_resources(ray, need: dict[str, float]) -> None:
+    have = ray.cluster_resources()
+    short = {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) < v}
+    if short:
+        detail = ", ".join(f"{k}: needs {v:g}, the cluster has {h:g}" for k, (v, h) in short.items())
+        raise ConfigError(f"the Ray cluster is too small for this engine ({detail})")
+
+
+def start_engine_actors(
+    config: EngineConfig,
+    tensor_parallel_size: int = 1,
+    drafter_placement: str = "separate",
+    ready_timeout_s: float = 120.0,
+) -> EngineActors:
+    from specray.actors.workers import DrafterActor, TargetRank
+    from specray.llm import resolve_max_model_len
+
+    if drafter_placement not in ("separate", "colocated"):
+        raise ConfigError(f"drafter_placement must be 'separate' or 'colocated', got {drafter_placement!r}")
+    tp = int(tensor_parallel_size)
+    if tp < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {tp}")
+    target_spec = TargetSpec.from_dir(config.target)
+    if target_spec.num_heads % tp:
+        raise ConfigError(
+            f"num_attention_heads ({target_spec.num_heads}) is not divisible by tensor_parallel_size ({tp})"
+        )
+    if config.drafter:
+        from specray.config import DrafterSpec
+
+        DrafterSpec.from_dir(config.drafter).check_fits(target_spec)
+    max_model_len = resolve_max_model_len(config, target_spec)
+    ray = ensure_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    gpu = config.device != "cpu"
+    separate = bool(config.drafter) and drafter_placement == "separate"
+    n_bundles = tp + int(separate)
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    _check_resources(ray, {k: v * n_bundles for k, v in bundle.items()})
+    pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=ready_timeout_s)
+    except Exception:
+        ray.util.remove_placement_group(pg)
+        raise ConfigError(
+            f"the Ray cluster could not place {n_bundles} bundles of {bundle} within {ready_timeout_s:.0f} s "
+            "(resources busy or spread over nodes that lack them)"
+        ) from None
+
+    def opts(i):
+        return dict(
+            num_cpus=1,
+            num_gpus=1 if gpu else 0,
+            max_concurrency=8,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        )
+
+    ranks = [ray.remote(TargetRank).options(**opts(r)).remote(config, r, tp, max_model_len) for r in range(tp)]
+    drafter = ray.remote(DrafterActor).options(**opts(tp)).remote(config, max_model_len) if separate else None
+    actors = EngineActors(ranks[0], ranks, drafter, pg)
+    try:
+        _wire(ray, actors, config, tp, gpu, separate, drafter_placement)
+    except BaseException:
+        actors.shutdown(timeout_s=5)
+        raise
+    return actors
+
+
+def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement) -> None:
+    ranks, drafter = actors.ranks, actors.drafter
+    # Process group: TP ranks, plus a CPU drafter (it talks gloo to rank 0).
+    drafter_in_world = separate and not gpu
+    world = tp + int(drafter_in_world)
+    init_method = None
+    if world > 1:
+        ip, port = ray.get(ranks[0].address.remote())
+        init_method = f"tcp://{ip}:{port}"
+    calls = [r.init_distributed.remote(init_method, world) for r in ranks]
+    if drafter_in_world:
+        calls.append(drafter.init_distributed.remote(init_method, tp, world, tp))
+    ray.get(calls)
+
+    colocated = bool(config.drafter) and drafter_placement == "colocated"
+    n_target = config.num_kv_blocks
+    if n_target is None:
+        caps = ray.get([r.kv_capacity.remote(colocated and i == 0) for i, r in enumerate(ranks)])
+        n_target = min(caps)
+    n_draft = None
+    if config.drafter:
+        n_draft = config.num_draft_kv_blocks or n_target
+        if separate and config.num_draft_kv_blocks is None:
+            n_draft = min(n_target, ray.get(drafter.kv_capacity.remote()))
+    for n, what in ((n_target, "target KV"), (n_draft, "drafter context KV")):
+        if n is not None and n < 2:
+            raise ConfigError(f"no memory left for the {what} cache ({n} blocks)")
+    ray.get([r.init_cache.remote(n_target) for r in ranks] + ([drafter.init_cache.remote(n_draft)] if separate else []))
+
+    start_kwargs = dict(num_target_blocks=n_target, num_draft_blocks=n_draft,
+                        drafter_mode="separate" if separate else ("colocated" if colocated else "none"))
+    pending = []
+    if separate:
+        if gpu:
+            uid = ray.get(ranks[0].nccl_unique_id.remote())
+            start_kwargs.update(channel_kind="nccl", unique_id=uid)
+            pending.append(drafter.connect.remote("nccl", unique_id=uid))
+        else:
+            start_kwargs.update(channel_kind="gloo", drafter_rank=tp)
+            pending.append(drafter.connect.remote("gloo", peer=0))
+    # NCCL communicators form collectively: both ends must be constructing.
+    pending.append(ranks[0].start_engine.remote(**start_kwargs))
+    ray.get(pending)
+    actors.loops = [r.serve_follower.remote() for r in ranks[1:]]
+    if separate:
+        actors.loops.append(drafter.serve.remote())
