@@ -297,9 +297,9 @@ class TargetRank:
         self.calls["abort"] += 1
         self.loop.abort(request_ids)
 
-    def get_outputs(self, timeout: float = 1.0, min_batch_s: float = 0.005):
+    def get_outputs(self, cursor: int = -1, timeout: float = 1.0, min_batch_s: float = 0.005):
         self.calls["get_outputs"] += 1
-        return self.loop.get_outputs(timeout, min_batch_s)
+        return self.loop.get_outputs(cursor, timeout, min_batch_s)
 
     def stats(self) -> dict:
         core = self.loop.engine

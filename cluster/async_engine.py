@@ -21,6 +21,7 @@ from specray.sampling import SamplingParams
 class _LocalCore:
     def __init__(self, loop):
         self.loop = loop
+        self.cursor = -1  # of the blocking callers (generate_sync)
 
     def submit(self, items):
         return self.loop.submit(items)
@@ -28,8 +29,8 @@ class _LocalCore:
     def abort(self, ids):
         self.loop.abort(ids)
 
-    def get_outputs(self, timeout):
-        return self.loop.get_outputs(timeout)
+    def get_outputs(self, cursor, timeout):
+        return self.loop.get_outputs(cursor, timeout)
 
     async def asubmit(self, items):
         return self.submit(items)
@@ -37,8 +38,8 @@ class _LocalCore:
     async def aabort(self, ids):
         self.abort(ids)
 
-    async def aget_outputs(self, timeout):
-        return await asyncio.to_thread(self.loop.get_outputs, timeout)
+    async def aget_outputs(self, cursor, timeout):
+        return await asyncio.to_thread(self.loop.get_outputs, cursor, timeout)
 
     def stats(self) -> dict:
         sched = self.loop.engine.scheduler
@@ -59,6 +60,7 @@ class _RayCore:
         self.ray = ray
         self.actors = actors
         self.driver = actors.driver
+        self.cursor = -1  # of the blocking callers (generate_sync)
 
     def submit(self, items):
         return self.ray.get(self.driver.submit.remote(items))
@@ -66,8 +68,8 @@ class _RayCore:
     def abort(self, ids):
         self.ray.get(self.driver.abort.remote(ids))
 
-    def get_outputs(self, timeout):
-        return self.ray.get(self.driver.get_outputs.remote(timeout))
+    def get_outputs(self, cursor, timeout):
+        return self.ray.get(self.driver.get_outputs.remote(cursor, timeout))
 
     async def asubmit(self, items):
         return await self.driver.submit.remote(items)
@@ -75,8 +77,8 @@ class _RayCore:
     async def aabort(self, ids):
         await self.driver.abort.remote(ids)
 
-    async def aget_outputs(self, timeout):
-        return await self.driver.get_outputs.remote(timeout)
+    async def aget_outputs(self, cursor, timeout):
+        return await self.driver.get_outputs.remote(cursor, timeout)
 
     def stats(self) -> dict:
         return self.ray.get(self.driver.stats.remote())
@@ -106,6 +108,7 @@ class AsyncEngine:
         self.core = core
         self._queues: dict[str, asyncio.Queue] = {}
         self._pump: asyncio.Task | None = None
+        self._cursor = -1
 
     @classmethod
     def from_config(cls, config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
@@ -160,7 +163,7 @@ class AsyncEngine:
     async def _pump_outputs(self) -> None:
         while self._queues:
             try:
-                outs = await self.core.aget_outputs(0.5)
+                self._cursor, outs = await self.core.aget_outputs(self._cursor, 0.5)
             except Exception as e:  # the engine died: fail every stream
                 for q in self._queues.values():
                     q.put_nowait(RuntimeError(f"engine failure: {e}"))
@@ -183,9 +186,11 @@ def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[Req
         core.abort([ids[i] for i, e in enumerate(errors) if not e])
         i, e = bad[0]
         raise ValueError(f"prompt {i}: {e}")
+    wanted = set(ids)
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):
-        for o in core.get_outputs(1.0):
-            if o.finished:
+        core.cursor, outs = core.get_outputs(core.cursor, 1.0)
+        for o in outs:
+            if o.finished and o.request_id in wanted:
                 done[o.request_id] = o
     return [done[i] for i in ids]

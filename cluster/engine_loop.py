@@ -27,6 +27,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._outbox: list[RequestOutput] = []
+        self._base = 0  # sequence number of _outbox[0]
         self._live: set[str] = set()  # ids submitted and not yet finished
         self._stopped = False
         self._on_stop = on_stop
@@ -67,22 +68,30 @@ class EngineLoop:
             self._inbox.extend(("abort", rid) for rid in request_ids)
             self._cv.notify_all()
 
-    def get_outputs(self, timeout: float = 1.0, min_batch_s: float = 0.0) -> list[RequestOutput]:
-        """Outputs since the last call. Waits up to ``timeout`` for the
-        first one, then ``min_batch_s`` more so that one call carries the
-        outputs of several steps."""
+    def get_outputs(
+        self, cursor: int = -1, timeout: float = 1.0, min_batch_s: float = 0.0
+    ) -> tuple[int, list[RequestOutput]]:
+        """Outputs numbered ``cursor`` and later, and the cursor to pass
+        next time. Outputs before ``cursor`` are dropped: delivery is
+        acknowledged by asking for what follows, so a poll whose answer was
+        lost (a caller gone mid-call) loses nothing. ``cursor=-1`` takes
+        whatever is there. Waits up to ``timeout`` for the first output,
+        then ``min_batch_s`` more so that one call carries several steps."""
         deadline = time.monotonic() + timeout
         with self._cv:
+            if cursor >= 0:
+                drop = min(max(cursor - self._base, 0), len(self._outbox))
+                del self._outbox[:drop]
+                self._base += drop
             while not self._outbox and not self._stopped:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return []
+                    return self._base, []
                 self._cv.wait(left)
         if min_batch_s > 0:
             time.sleep(min_batch_s)
         with self._cv:
-            out, self._outbox = self._outbox, []
-        return out
+            return self._base + len(self._outbox), list(self._outbox)
 
     def num_unfinished(self) -> int:
         with self._cv:

@@ -1,0 +1,156 @@
+"""The Ray backend on a local CPU cluster (loopback): TP=1 and TP=2 target
+groups with a separate drafter actor give exactly the in-process engine's
+output, stream while running, abort cleanly, and make no Ray call per step."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from factories import add_tokenizer, make_drafter, make_target
+from specray import LLM, ConfigError, SamplingParams
+from specray.async_engine import AsyncEngine
+from specray.config import EngineConfig
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]  # token ids
+MAX_TOKENS = [30, 24, 17, 33, 20]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR")
+    root = tmp_path_factory.mktemp("ray")
+    hf = make_target(root / "t", seed=2)
+    add_tokenizer(root / "t", hf.config.vocab_size)
+    make_drafter(root / "d", hf.config, seed=12, block_size=8)
+    yield root
+    ray.shutdown()
+
+
+def config(root, **kw):
+    return EngineConfig(target=str(root / "t"), drafter=str(root / "d"), num_kv_blocks=300, kv_block_size=4, **kw)
+
+
+async def staggered(engine, params):
+    """Admit the prompts at different times; collect every chunk."""
+    async def one(i):
+        await asyncio.sleep(0.05 * i)
+        chunks = []
+        async for out in engine.generate(PROMPTS[i], params[i], request_id=f"r{i}"):
+            chunks.append((time.monotonic(), out))
+        return chunks
+
+    return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+
+def reference(root, params):
+    llm = LLM(root / "t", root / "d")
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("tp,placement", [(1, "separate"), (2, "separate"), (1, "colocated")])
+def test_ray_matches_inprocess(cluster, tp, placement):
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True)
+               for i, n in enumerate(MAX_TOKENS)]
+    want_greedy, want_sampled = reference(cluster, greedy), reference(cluster, sampled)
+    engine = AsyncEngine.from_config(config(cluster), "ray", tp, placement)
+    try:
+        for params, want in ((greedy, want_greedy), (sampled, want_sampled)):
+            results = asyncio.run(staggered(engine, params))
+            got = [chunks[-1][1].token_ids for chunks in results]
+            assert got == want
+            for chunks in results:
+                # Streaming: tokens arrive while the request runs.
+                assert len(chunks) > 2 and not chunks[0][1].finished and chunks[-1][1].finished
+                assert chunks[0][0] < chunks[-1][0]
+                assert sum((c.delta_token_ids for _, c in chunks), []) == chunks[-1][1].token_ids
+        stats = engine.stats()
+        assert all(free == cap for free, cap in stats["pools"].values())
+        steps = stats["num_steps"]
+    finally:
+        engine.shutdown()
+    # The serve loops return the steps they ran: followers and the drafter
+    # served every step from one Ray call each.
+    loop_steps = ray.get(engine.core.actors.loops)
+    if tp == 2:
+        assert loop_steps[0] == steps
+    if placement == "separate":
+        assert 0 < loop_steps[-1] <= steps
+    assert stats["calls"]["submit"] == 2 * len(PROMPTS)
+
+
+def test_abort_mid_stream_frees_blocks_everywhere(cluster):
+    engine = AsyncEngine.from_config(config(cluster), "ray", 2, "separate")
+
+    async def run():
+        got = []
+        agen = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        async for out in agen:
+            got.append(out)
+            if len(got) == 3:
+                break
+        await agen.aclose()  # what a dropped client does
+        other = [o async for o in engine.generate([8, 9], SamplingParams(max_tokens=12, temperature=0))]
+        return got, other
+
+    try:
+        got, other = asyncio.run(run())
+        assert not got[-1].finished and other[-1].finished
+        for _ in range(50):
+            stats = engine.stats()
+            if stats["num_unfinished"] == 0:
+                break
+            time.sleep(0.05)
+        assert stats["num_unfinished"] == 0 and stats["running"] == 0
+        assert all(free == cap for free, cap in stats["pools"].values()), stats["pools"]
+    finally:
+        engine.shutdown()
+
+
+def test_output_delivery_is_batched(cluster):
+    """One get_outputs call carries several steps' outputs."""
+    llm = LLM(cluster / "t", cluster / "d", backend="ray", num_kv_blocks=300, kv_block_size=4)
+    try:
+        driver = llm._core.driver
+        ids = [f"b{i}" for i in range(4)]
+        ray.get(driver.submit.remote([(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), i)
+                                      for p, i in zip(PROMPTS, ids)]))
+        done, cursor = set(), -1
+        while len(done) < len(ids):
+            cursor, outs = ray.get(driver.get_outputs.remote(cursor, 1.0, 0.1))
+            for o in outs:
+                if o.finished:
+                    done.add(o.request_id)
+        stats = llm.stats()
+        assert stats["calls"]["get_outputs"] < stats["num_steps"] / 2, stats
+    finally:
+        llm.shutdown()
+
+
+def test_text_prompts_and_errors_through_ray(cluster):
+    llm = LLM(cluster / "t", cluster / "d", backend="ray", num_kv_blocks=300, kv_block_size=4)
+    try:
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
+        local = LLM(cluster / "t", cluster / "d").generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
+        assert out.text == local.text and out.token_ids == local.token_ids
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2, 9999]], SamplingParams(max_tokens=4))
+        # The engine still serves afterwards.
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0].token_ids) == 5
+    finally:
+        llm.shutdown()
+
+
+def test_clear_error_when_cluster_lacks_gpus(cluster):
+    t = time.monotonic()
+    with pytest.raises(ConfigError, match="GPU: needs 3, the cluster has 0"):
+        LLM(cluster / "t", cluster / "d", device="cuda", backend="ray", tensor_parallel_size=2)
+    assert time.monotonic() - t < 30
+    with pytest.raises(ConfigError, match="drafter_placement"):
+        LLM(cluster / "t", cluster / "d", backend="ray", drafter_placement="elsewhere")
