@@ -91,13 +91,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append")
     g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
     g.set_defaults(func=cmd_generate)
+
+    # Each remaining command lives beside the code it drives and
+    # configures its own arguments.
+    for name, module, help_ in (
+        ("serve", "specray.serve.cli", "run the OpenAI-compatible HTTP + gRPC server on Ray Serve"),
+        ("batch", "specray.batch", "batch generation over JSONL / Parquet (also a `ray job submit` entry point)"),
+        ("bench", "specray.bench", "speculative vs autoregressive throughput on the evaluation set"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.set_defaults(module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from specray.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "module", None):
+        import importlib
+
+        return importlib.import_module(args.module).main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
