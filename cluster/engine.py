@@ -34,9 +34,9 @@ from specray.detokenizer import (
     stop_holdback,
 )
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
-from specray.request import Request, RequestOutput, Status
+from specray.request import Request, RequestOutput
 from specray.sampling import SamplingParams, SamplingTensors, verify
-from specray.scheduler import DecodeItem, PrefillItem, Scheduler, StepPlan
+from specray.scheduler import DecodeItem, PrefillItem, Scheduler
 
 
 @dataclass

@@ -17,7 +17,7 @@ TOL = 1e-4
 def run_chunks(worker, tables, seqs, chunks):
     """One forward over ``chunks``: per sequence, (start, end) of its tokens
     to compute now. Returns logits for every computed row and the taps."""
-    ids, pos, slots, starts, seq_lens, bts, rows = [], [], [], [0], [], [], []
+    ids, pos, slots, starts, seq_lens, bts = [], [], [], [0], [], []
     for s, (a, b) in chunks.items():
         tables[s].reserve(b)
         ids += seqs[s][a:b]

@@ -1,0 +1,128 @@
+"""``specray bench``: speculative vs autoregressive decoding with the same
+engine on a prompt set, one run, printed as ratios.
+
+For every temperature: acceptance length (mean, and per draft position),
+tokens/s of the speculative engine and of the same engine without a drafter,
+and at temperature 0 whether the two outputs are token-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[tuple[str, str]]:
+    """``(id, prompt text)`` from a JSONL of ``messages`` or ``prompt`` rows."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "messages" in row:
+            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        else:
+            text = row["prompt"]
+        rows.append((row.get("id", str(len(rows))), text))
+    return rows[:limit] if limit else rows
+
+
+def run_engine(llm, prompts: list[str], params: list, batch_size: int) -> tuple[list, float]:
+    """Generate in groups of ``batch_size`` (1 = one request at a time);
+    returns outputs and wall seconds."""
+    outs = []
+    t = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outs += llm.generate(prompts[i : i + batch_size], params[i : i + batch_size])
+    return outs, time.perf_counter() - t
+
+
+def summarize(spec_outs, ar_outs, spec_s, ar_s, block_size: int) -> dict:
+    steps = [a for o in spec_outs for a in o.metrics.acceptance_lengths]
+    drafts = sum(o.metrics.num_draft_tokens for o in spec_outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in spec_outs)
+    per_pos = [0] * (block_size - 1)
+    n_steps = 0
+    for o in spec_outs:
+        n_steps += len(o.metrics.acceptance_lengths)
+        for i, c in enumerate(o.metrics.accepted_per_position):
+            per_pos[i] += c
+    spec_tokens = sum(len(o.token_ids) for o in spec_outs)
+    ar_tokens = sum(len(o.token_ids) for o in ar_outs)
+    identical = sum(a.token_ids == b.token_ids for a, b in zip(spec_outs, ar_outs))
+    return {
+        "prompts": len(spec_outs),
+        "mean_acceptance_length": statistics.fmean(steps) if steps else 0.0,
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        "per_position_acceptance": [c / n_steps for c in per_pos] if n_steps else [],
+        "spec_tokens": spec_tokens,
+        "ar_tokens": ar_tokens,
+        "spec_tokens_per_s": spec_tokens / spec_s,
+        "ar_tokens_per_s": ar_tokens / ar_s,
+        "speedup": (spec_tokens / spec_s) / (ar_tokens / ar_s),
+        "token_identical_outputs": identical,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specray bench", description=__doc__)
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--no-drafter", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", default="data/prompts/eval.jsonl")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    from specray import LLM, SamplingParams
+    from specray.cli import resolve_models
+
+    target, drafter = resolve_models(args)
+    if drafter is None:
+        print("specray bench: a drafter is needed (--drafter DIR)", file=sys.stderr)
+        return 2
+    spec = LLM(target, drafter, device=args.device, dtype=args.dtype)
+    ar = LLM(target, None, device=args.device, dtype=args.dtype)
+    rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
+    prompts = [text for _, text in rows]
+    block = spec.engine.block_size
+    # Warm both engines (allocator, kernels) outside the timed runs.
+    warm = SamplingParams(max_tokens=8, temperature=0)
+    spec.generate(prompts[:1], warm)
+    ar.generate(prompts[:1], warm)
+    results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
+               "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}
+    for temp in args.temperatures:
+        params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i)
+                  for i in range(len(prompts))]
+        spec_outs, spec_s = run_engine(spec, prompts, params, args.batch_size)
+        ar_outs, ar_s = run_engine(ar, prompts, params, args.batch_size)
+        s = summarize(spec_outs, ar_outs, spec_s, ar_s, block)
+        s["per_prompt"] = [
+            {"id": rid, "tokens": len(o.token_ids), "mean_acceptance_length": o.metrics.mean_acceptance_length}
+            for (rid, _), o in zip(rows, spec_outs)
+        ]
+        results["by_temperature"][str(temp)] = s
+        print(
+            f"T={temp}: mean acceptance length {s['mean_acceptance_length']:.2f} | "
+            f"spec {s['spec_tokens_per_s']:.1f} tok/s vs AR {s['ar_tokens_per_s']:.1f} tok/s = "
+            f"{s['speedup']:.2f}x | identical {s['token_identical_outputs']}/{s['prompts']}"
+        )
+        print("  per-position acceptance:", " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
