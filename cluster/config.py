@@ -313,6 +313,9 @@ class EngineConfig:
     draft_top_k: int = 64
     num_speculative_tokens: int | None = None  # None: block_size - 1
     seed: int = 0
+    # Synchronize the device around model passes so that StepStats splits a
+    # step into model time and control overhead (costs a little speed).
+    sync_timing: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -187,16 +187,21 @@ class EngineCore:
 
         drafts = None
         if self.drafter is not None and decode:
+            draft_batch = self._draft_batch(decode, st_cpu)
+            self._sync()
             t = time.perf_counter()
-            drafts = self.drafter.propose(self._draft_batch(decode, st_cpu))
+            drafts = self.drafter.propose(draft_batch)
+            self._sync()
             stats.propose = time.perf_counter() - t
 
         batch, draft_dst, draft_src, logit_rows = self._target_batch(decode, plan.prefill)
-        t = time.perf_counter()
         if drafts is not None:
             batch.input_ids = batch.input_ids.to(self.device)
             batch.input_ids[draft_dst.to(self.device)] = drafts.tokens.reshape(-1)[draft_src.to(self.device)]
+        self._sync()
+        t = time.perf_counter()
         logits = self.target.execute(batch)
+        self._sync()
         stats.verify = time.perf_counter() - t
 
         results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_cpu)
@@ -204,6 +209,10 @@ class EngineCore:
         stats.total = time.perf_counter() - t0
         self.last_step = stats
         return outputs
+
+    def _sync(self) -> None:
+        if self.config.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors) -> DraftBatch:
         B = self.block_size
