@@ -1,0 +1,614 @@
+"""The specray Ray Serve application: one deployment (FastAPI ingress) that
+owns an AsyncEngine and serves OpenAI-compatible HTTP and the specray.v1
+gRPC service.
+
+Engine placement: the replica starts the engine with ``backend="ray"``: the
+target TP group and the drafter run as Ray actors in their own placement
+group, owned by the replica (they die with it). The replica itself only
+parses, tokenizes chat prompts, streams and counts; it asks for CPUs
+(``replica_num_cpus``), never a GPU. ``backend="inprocess"`` stays available
+(the replica then holds the model and, on CUDA, one GPU).
+
+Backpressure: a replica admits at most ``max_num_seqs + max_queued_requests``
+generation requests at once (a request counts from admission until its
+stream ends, however it ends); beyond that HTTP answers 429 with
+``Retry-After`` and gRPC RESOURCE_EXHAUSTED, immediately. Serve's own
+per-replica ``max_ongoing_requests`` is set above that bound (room for
+/health and /v1/models) and its router queue is bounded too
+(``max_queued_requests`` of the deployment), so nothing queues without limit.
+
+Disconnects: a streaming response's ASGI call ends when Serve cancels it (the
+proxy saw the client go) or the stream finishes; either way its ``finally``
+releases the request's lease, which closes the engine stream (the engine
+aborts the request and frees its KV blocks) and the admission slot.
+"""
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import os
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import StreamingResponse
+
+from specray.serve import protocol as P
+
+log = logging.getLogger("specray.serve")
+
+GRPC_SERVICER_FUNCTIONS = ["specray.serve.specray_pb2_grpc.add_SpecRayServicer_to_server"]
+# Serve-level in-flight room per replica beyond the generation bound, for
+# /health, /v1/models, rejected requests on their way out and handle calls.
+_HEADROOM = 32
+
+
+# -------------------------------------------------------------- settings
+class ServeArgs(BaseModel):
+    """``build_app`` arguments (the ``args`` of a Serve config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str | None = None  # None: the embedded default target (and drafter)
+    drafter: str | None = None
+    no_drafter: bool = False
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    backend: Literal["ray", "inprocess"] = "ray"
+    tensor_parallel_size: int = Field(1, ge=1)
+    drafter_placement: Literal["separate", "colocated"] = "separate"
+    max_model_len: int | None = Field(None, ge=2)
+    num_kv_blocks: int | None = Field(None, ge=2)
+    kv_block_size: int = Field(16, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    engine: dict[str, Any] = Field(default_factory=dict)  # further EngineConfig fields
+    model_name: str | None = None  # served id; default: the target directory's name
+    max_queued_requests: int = Field(64, ge=0)  # admitted beyond max_num_seqs
+    retry_after_s: int = Field(1, ge=0)
+    api_key: str | None = None  # default: env SPECRAY_API_KEY
+    num_replicas: int = Field(1, ge=1)
+    replica_num_cpus: float = Field(1.0, ge=0)
+    deployment_name: str = "SpecRay"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.backend == "inprocess" and self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs backend='ray'")
+        return self
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.max_num_seqs + self.max_queued_requests
+
+    def engine_config(self):
+        from specray.config import EngineConfig
+
+        kw = dict(self.engine)
+        kw.update(target=self.target, drafter=None if self.no_drafter else self.drafter, device=self.device,
+                  dtype=self.dtype, max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
+                  kv_block_size=self.kv_block_size, max_num_seqs=self.max_num_seqs)
+        return EngineConfig(**kw)
+
+
+def _resolve(args: dict | ServeArgs | None) -> ServeArgs:
+    if isinstance(args, ServeArgs):
+        s = args
+    else:
+        try:
+            s = ServeArgs.model_validate(dict(args or {}))
+        except ValidationError as e:
+            raise ValueError(f"specray.serve: invalid app args: {e}") from None
+    if s.target is None:
+        from specray.cli import resolve_models
+
+        target, drafter = resolve_models(s)
+        s = s.model_copy(update={"target": target, "drafter": drafter})
+    if s.no_drafter:
+        s = s.model_copy(update={"drafter": None})
+    if s.model_name is None:
+        s = s.model_copy(update={"model_name": os.path.basename(os.path.normpath(s.target))})
+    if s.api_key is None and os.environ.get("SPECRAY_API_KEY"):
+        s = s.model_copy(update={"api_key": os.environ["SPECRAY_API_KEY"]})
+    return s
+
+
+# ------------------------------------------------------------- FastAPI app
+app = FastAPI(title="specray", description="OpenAI-compatible API with DFlash speculative decoding",
+              docs_url="/docs", redoc_url=None)
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(P.APIError)
+async def _api_error(request: Request, e: P.APIError):
+    return _error_response(e)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    msg = f"Unknown route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+    return _error_response(P.APIError(e.status_code, msg, "invalid_request_error", None, code))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError):
+    errors = [dict(err, loc=tuple(err.get("loc", ()))[1:]) for err in e.errors()]  # drop "body" / "query"
+    return _error_response(P.from_validation_error(errors) if errors else P.bad_request("invalid request"))
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, e: Exception):
+    log.exception("unhandled error")
+    return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+
+class _Lease:
+    """One admitted generation request: its slot in the replica's bound and
+    its engine stream. ``release`` is idempotent and runs however the
+    request ends (finished, failed, client gone, never started)."""
+
+    def __init__(self, server: "SpecRayServer", endpoint: str):
+        self.server, self.endpoint = server, endpoint
+        self.agen = None
+        self.status: int | str = 499  # until the request completes: the client went away
+        self._released = False
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            if self.agen is not None:
+                try:
+                    await self.agen.aclose()  # aborts the request in the engine if it still runs
+                except RuntimeError:  # still running in another task: its own finally aborts it
+                    pass
+        finally:
+            self.server._release(self)
+
+
+async def _shielded(coro) -> None:
+    """Run ``coro`` to completion even if the caller is being cancelled."""
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
+
+
+class _EngineStream(StreamingResponse):
+    """SSE response whose ASGI call always releases its lease on the way
+    out, even if the body iterator never started (client gone before the
+    first byte)."""
+
+    def __init__(self, content, lease: _Lease):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.lease = lease
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _shielded(self.lease.release())
+
+
+_GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+               500: "INTERNAL", 503: "UNAVAILABLE"}
+
+
+class _GrpcAbort(Exception):
+    pass
+
+
+@serve.deployment
+@serve.ingress(app)
+class SpecRayServer:
+    def __init__(self, settings: dict):
+        from specray.async_engine import AsyncEngine
+        from specray.config import TargetSpec
+        from specray.detokenizer import load_tokenizer
+        from specray.llm import resolve_max_model_len
+        from specray.serve.metrics import ServeMetrics
+
+        s = ServeArgs.model_validate(settings)
+        if s.api_key is None:
+            s = s.model_copy(update={"api_key": os.environ.get("SPECRAY_API_KEY") or None})
+        self.settings = s
+        self.model_name = s.model_name
+        config = s.engine_config()
+        self.max_model_len = resolve_max_model_len(config, TargetSpec.from_dir(config.target))
+        self.tokenizer = load_tokenizer(config.target)
+        self.engine = AsyncEngine.from_config(config, backend=s.backend, tensor_parallel_size=s.tensor_parallel_size,
+                                              drafter_placement=s.drafter_placement)
+        self.limit = s.max_in_flight
+        self.in_flight = 0
+        self.created = int(time.time())
+        self.metrics = ServeMetrics(self.model_name)
+        self._poller: asyncio.Task | None = None
+        log.info("specray replica ready: model %s, backend %s, tp %d, drafter %s (%s), in-flight bound %d",
+                 self.model_name, s.backend, s.tensor_parallel_size, config.drafter, s.drafter_placement, self.limit)
+
+    # ------------------------------------------------------------ lifecycle
+    async def __del__(self):
+        if self._poller is not None:
+            self._poller.cancel()
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+        parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
+        if parent is not None:
+            result = parent()
+            if inspect.isawaitable(result):
+                await result
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: the engine answers."""
+        await asyncio.wait_for(asyncio.to_thread(self.engine.stats), timeout=30)
+
+    async def engine_stats(self) -> dict:
+        """Engine and admission state (for operators and tests, via a Serve
+        handle: ``serve.get_app_handle(name).engine_stats.remote()``)."""
+        stats = await asyncio.to_thread(self.engine.stats)
+        stats["in_flight"] = self.in_flight
+        stats["max_in_flight"] = self.limit
+        return stats
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_engine_load())
+
+    async def _poll_engine_load(self) -> None:
+        """Running / waiting gauges, from one stats call a second (never per
+        step)."""
+        while True:
+            try:
+                st = await asyncio.to_thread(self.engine.stats)
+                self.metrics.engine_load(st.get("running", 0), st.get("waiting", 0))
+            except Exception:  # the health check reports a dead engine
+                pass
+            await asyncio.sleep(1.0)
+
+    # ---------------------------------------------------------- admission
+    def _admit(self, endpoint: str) -> _Lease:
+        self._ensure_poller()
+        if self.in_flight >= self.limit:
+            self.metrics.rejected_request(endpoint)
+            raise P.APIError(
+                429, f"The server is at capacity ({self.limit} requests in flight on this replica); "
+                     f"retry after {self.settings.retry_after_s} s.",
+                "rate_limit_exceeded", None, "rate_limit_exceeded",
+                headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        return _Lease(self, endpoint)
+
+    def _release(self, lease: _Lease) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        self.metrics.request_done(lease.endpoint, lease.status)
+
+    def _check_key(self, supplied: str | None) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        if supplied is None:
+            raise P.APIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.",
+                             "invalid_request_error", None, "invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(supplied.encode(), key.encode()):
+            raise P.APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+
+    def _check_http_key(self, request: Request) -> None:
+        auth = request.headers.get("authorization")
+        supplied = None
+        if auth:
+            scheme, _, value = auth.partition(" ")
+            supplied = value.strip() if scheme.lower() == "bearer" else ""
+        self._check_key(supplied)
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise P.APIError(404, f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+                             "invalid_request_error", "model", "model_not_found")
+
+    # ------------------------------------------------------------- prompts
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise P.bad_request("This model has no chat template; use /v1/completions.", "messages")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja TemplateError and friends
+            raise P.bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+        # The template writes its own special tokens (BOS included).
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) >= self.max_model_len:
+            raise P.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the messages take "
+                f"{len(ids)} tokens, leaving none to generate.", "messages", "context_length_exceeded")
+        return ids
+
+    # ---------------------------------------------------------------- HTTP
+    @app.get("/health")
+    async def health(self):
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.stats), timeout=5)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
+        return {"status": "ok"}
+
+    def _model_card(self) -> dict:
+        s = self.settings
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specray",
+                "root": s.target, "parent": None, "max_model_len": self.max_model_len,
+                "specray": {"drafter": s.drafter, "tensor_parallel_size": s.tensor_parallel_size,
+                            "drafter_placement": s.drafter_placement, "backend": s.backend}}
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request):
+        try:
+            self._check_http_key(request)
+        except P.APIError as e:
+            self.metrics.request_done("models", e.status)
+            return _error_response(e)
+        self.metrics.request_done("models", 200)
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(self, model: str, request: Request):
+        try:
+            self._check_http_key(request)
+            self._check_model(model)
+        except P.APIError as e:
+            self.metrics.request_done("models", e.status)
+            return _error_response(e)
+        self.metrics.request_done("models", 200)
+        return self._model_card()
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve_http(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve_http(request, "chat")
+
+    async def _serve_http(self, request: Request, kind: str):
+        start = time.monotonic()
+        endpoint = "chat_completions" if kind == "chat" else "completions"
+        lease = None
+        try:
+            self._check_http_key(request)
+            try:
+                body = json.loads(await request.body() or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise P.bad_request(
+                    f"We could not parse the JSON body of your request ({e}). The body must be valid JSON.",
+                    None, "invalid_json") from None
+            if kind == "chat":
+                req = P.parse(P.ChatCompletionRequest, body)
+                self._check_model(req.model)
+                prompt = self._chat_prompt(req.chat_messages())
+                params = req.sampling_params(req.max_new_tokens(self.max_model_len - len(prompt)))
+                rid = P.new_id("chatcmpl")
+            else:
+                req = P.parse(P.CompletionRequest, body)
+                self._check_model(req.model)
+                prompt = req.prompt
+                params = req.sampling_params(req.max_new_tokens())
+                rid = P.new_id("cmpl")
+            lease = self._admit(endpoint)
+            agen = self.engine.generate(prompt, params, request_id=rid)
+            lease.agen = agen
+            try:
+                first = await agen.__anext__()
+            except ValueError as e:  # the engine rejected the prompt
+                raise P.bad_request(str(e), "messages" if kind == "chat" else "prompt") from None
+            except RuntimeError as e:
+                raise P.APIError(500, str(e), "server_error") from None
+        except P.APIError as e:
+            if lease is None:
+                self.metrics.request_done(endpoint, e.status)
+            else:
+                lease.status = e.status
+                await _shielded(lease.release())
+            return _error_response(e)
+        except BaseException:
+            if lease is not None:  # cancelled (client gone) while waiting for the first token
+                await _shielded(lease.release())
+            raise
+
+        from specray.serve.metrics import RequestTracker
+
+        tracker = RequestTracker(self.metrics, start)
+        if req.stream:
+            writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids)
+            return _EngineStream(self._sse(writer, agen, first, tracker, lease), lease)
+        try:
+            out = first
+            tracker.update(out, time.monotonic())
+            while not out.finished:
+                out = await agen.__anext__()
+                tracker.update(out, time.monotonic())
+            reason = P.finish_reason(out)
+            if reason is None:
+                raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error",
+                                 None, out.finish_reason)
+            build = P.chat_response if kind == "chat" else P.completion_response
+            lease.status = 200
+            return JSONResponse(build(rid, self.model_name, out, req.return_token_ids))
+        except P.APIError as e:
+            lease.status = e.status
+            return _error_response(e)
+        except RuntimeError as e:
+            lease.status = 500
+            return _error_response(P.APIError(500, str(e), "server_error"))
+        finally:
+            await _shielded(lease.release())
+
+    async def _sse(self, writer: P.ChunkWriter, agen, first, tracker, lease: _Lease):
+        for chunk in writer.start():
+            yield chunk
+        out = first
+        try:
+            while True:
+                tracker.update(out, time.monotonic())
+                for chunk in writer.delta(out):
+                    yield chunk
+                if out.finished:
+                    lease.status = 200 if P.finish_reason(out) else 500
+                    return
+                out = await agen.__anext__()
+        except RuntimeError as e:  # the engine failed under us
+            lease.status = 500
+            yield P.sse(P.APIError(500, str(e), "server_error").body())
+            yield P.sse("[DONE]")
+
+    # ---------------------------------------------------------------- gRPC
+    def _grpc_fail(self, grpc_context, e: P.APIError, endpoint: str):
+        import grpc
+
+        code = getattr(grpc.StatusCode, _GRPC_CODES.get(e.status, "UNKNOWN"))
+        if grpc_context is not None:
+            grpc_context.set_code(code)
+            grpc_context.set_details(e.message)
+        raise _GrpcAbort(e.message)
+
+    def _grpc_key(self, grpc_context) -> None:
+        supplied = None
+        if grpc_context is not None:
+            for k, v in grpc_context.invocation_metadata():
+                if k.lower() == "authorization":
+                    scheme, _, value = str(v).partition(" ")
+                    supplied = value.strip() if scheme.lower() == "bearer" else ""
+        self._check_key(supplied)
+
+    def _grpc_inputs(self, request):
+        from specray.sampling import SamplingParams
+
+        self._check_model(request.model or None)
+        which = request.WhichOneof("input")
+        if which is None:
+            raise P.bad_request("one of prompt, prompt_token_ids or messages is required", "input")
+        if which == "prompt":
+            prompt = request.prompt
+        elif which == "prompt_token_ids":
+            prompt = list(request.prompt_token_ids.ids)
+        else:
+            try:
+                msgs = [P.ChatMessage(role=m.role, content=m.content) for m in request.messages.messages]
+            except ValidationError as e:
+                raise P.from_validation_error(e) from None
+            if not msgs:
+                raise P.bad_request("messages is empty", "messages")
+            prompt = self._chat_prompt([{"role": "system" if m.role == "developer" else m.role,
+                                         "content": m.content} for m in msgs])
+        p = request.params
+        try:
+            params = SamplingParams(
+                max_tokens=p.max_tokens if p.HasField("max_tokens") else self.max_model_len,
+                temperature=p.temperature if p.HasField("temperature") else 1.0,
+                top_p=p.top_p if p.HasField("top_p") else 1.0,
+                top_k=p.top_k if p.HasField("top_k") else 0,
+                seed=p.seed if p.HasField("seed") else None,
+                stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        except ValueError as e:
+            raise P.sampling_error(e) from None
+        return prompt, params
+
+    async def Generate(self, request, grpc_context=None):
+        """specray.v1.SpecRay/Generate (server streaming)."""
+        from specray.serve import specray_pb2 as pb
+        from specray.serve.metrics import RequestTracker
+
+        start = time.monotonic()
+        endpoint = "grpc_generate"
+        try:
+            self._grpc_key(grpc_context)
+            prompt, params = self._grpc_inputs(request)
+            lease = self._admit(endpoint)
+        except P.APIError as e:
+            self.metrics.request_done(endpoint, _GRPC_CODES.get(e.status, "UNKNOWN"))
+            self._grpc_fail(grpc_context, e, endpoint)
+        rid = request.request_id or P.new_id("grpc")
+        tracker = RequestTracker(self.metrics, start)
+        try:
+            agen = self.engine.generate(prompt, params, request_id=rid)
+            lease.agen = agen
+            try:
+                async for out in agen:
+                    tracker.update(out, time.monotonic())
+                    msg = pb.GenerateResponse(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
+                                              finished=out.finished)
+                    if out.finished:
+                        if P.finish_reason(out) is None:
+                            raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error")
+                        st = P.spec_stats(out)
+                        u = P.usage(out)
+                        msg.finish_reason = out.finish_reason
+                        msg.usage.CopyFrom(pb.Usage(**u))
+                        msg.stats.CopyFrom(pb.SpeculativeStats(
+                            **{k: v for k, v in st.items() if k != "ttft_s"}))
+                        msg.ttft_s = st["ttft_s"] or 0.0
+                    yield msg
+            except ValueError as e:
+                raise P.bad_request(str(e), "prompt") from None
+            except RuntimeError as e:
+                raise P.APIError(500, str(e), "server_error") from None
+            lease.status = "OK"
+        except P.APIError as e:
+            lease.status = _GRPC_CODES.get(e.status, "UNKNOWN")
+            self._grpc_fail(grpc_context, e, endpoint)
+        finally:
+            await _shielded(lease.release())
+
+    async def ListModels(self, request, grpc_context=None):
+        """specray.v1.SpecRay/ListModels."""
+        from specray.serve import specray_pb2 as pb
+
+        try:
+            self._grpc_key(grpc_context)
+        except P.APIError as e:
+            self.metrics.request_done("grpc_list_models", _GRPC_CODES[e.status])
+            self._grpc_fail(grpc_context, e, "grpc_list_models")
+        self.metrics.request_done("grpc_list_models", "OK")
+        return pb.ListModelsResponse(models=[pb.Model(
+            id=self.model_name, owned_by="specray", max_model_len=self.max_model_len,
+            speculative=bool(self.settings.drafter))])
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """The specray Serve application, for ``import_path:
+    specray.serve:build_app`` in a Serve config (its ``args`` are
+    :class:`ServeArgs`) or ``serve.run(build_app({...}))``.
+
+    gRPC is configured on Serve's proxy, not per application: add
+    ``specray.serve.GRPC_SERVICER_FUNCTIONS`` to ``grpc_options``."""
+    s = _resolve(args)
+    actor_options: dict[str, Any] = {"num_cpus": s.replica_num_cpus}
+    if s.backend == "inprocess" and s.device != "cpu":
+        actor_options["num_gpus"] = 1
+    bound = s.max_in_flight
+    return SpecRayServer.options(
+        name=s.deployment_name,
+        num_replicas=s.num_replicas,
+        max_ongoing_requests=bound + _HEADROOM,
+        max_queued_requests=bound + _HEADROOM,
+        ray_actor_options=actor_options,
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=20,
+    ).bind(s.model_dump())

@@ -1,0 +1,387 @@
+"""OpenAI wire format: request models, validation, response and chunk
+builders, and errors in OpenAI's shape.
+
+Only the fields specray implements are accepted. Fields OpenAI defines but
+specray does not implement get a 400 that names them (``n`` > 1,
+``logprobs``, ``tools``, ...); unknown fields get OpenAI's own
+"Unrecognized request argument" 400. Extensions (vLLM's names): ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from specray.request import RequestOutput
+from specray.sampling import SamplingParams
+
+
+# ------------------------------------------------------------------ errors
+class APIError(Exception):
+    """An error with an HTTP status, rendered as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, detail: str) -> APIError:
+    return APIError(400, f"'{param}' is not supported by this server: {detail}", "invalid_request_error",
+                    param, "unsupported_parameter")
+
+
+def from_validation_error(e: ValidationError | list[dict]) -> APIError:
+    """The first pydantic error as an OpenAI 400."""
+    err = (e if isinstance(e, list) else e.errors())[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error",
+                        param, "unrecognized_argument")
+    if err.get("type") == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    got = err.get("input")
+    shown = json.dumps(got)[:200] if _jsonable(got) else repr(got)[:200]
+    return bad_request(f"Invalid value for '{param}': {msg} (got {shown}).", param, "invalid_value")
+
+
+def _jsonable(x) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def sampling_error(e: ValueError) -> APIError:
+    """SamplingParams' messages start with the parameter's name."""
+    msg = str(e)
+    first = msg.split(" ", 1)[0]
+    param = first if first in {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                               "stop_token_ids"} else None
+    return bad_request(msg, param, "invalid_value")
+
+
+# ---------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, only False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    # extensions
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    # OpenAI fields accepted only at their neutral value (checked below)
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def _check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise unsupported("n", "only n=1 is supported (send several requests)")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", "only best_of=1 is supported")
+        for p in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, p) not in (None, 0):
+                raise unsupported(p, "penalties are not implemented")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "logit bias is not implemented")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                                  "stream_options")
+            if self.stream_options.continuous_usage_stats:
+                raise unsupported("stream_options.continuous_usage_stats", "only the final usage chunk is sent")
+        if isinstance(self.stop, list) and not all(isinstance(s, str) for s in self.stop):
+            raise bad_request("stop must be a string or a list of strings", "stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as e:
+            raise sampling_error(e) from None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batches of several prompts are not supported: send one request per prompt")
+            v = v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is empty")
+        return v
+
+    def check(self) -> None:
+        self._check_common()
+        if self.echo:
+            raise unsupported("echo", "echoing the prompt is not implemented")
+        if self.logprobs not in (None, 0):
+            raise unsupported("logprobs", "log probabilities are not returned")
+        if self.suffix:
+            raise unsupported("suffix", "insertion (suffix) is not implemented")
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or 16  # OpenAI's default for completions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v):
+        if v not in ("system", "developer", "user", "assistant"):
+            raise ValueError("role must be one of system, developer, user, assistant")
+        return v
+
+    def text(self, i: int) -> str:
+        extra = set(self.model_extra or {})
+        if extra:
+            field = sorted(extra)[0]
+            raise unsupported(f"messages.{i}.{field}", "tool calls and other message fields are not implemented")
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text":
+                raise unsupported(f"messages.{i}.content.{j}.type",
+                                  f"content part type {part.get('type')!r} (only 'text' parts are accepted)")
+            try:
+                out.append(TextPart.model_validate(part).text)
+            except ValidationError as e:
+                raise bad_request(f"messages.{i}.content.{j}: {e.errors()[0]['msg']}",
+                                  f"messages.{i}.content.{j}") from None
+        return "".join(out)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+
+    def check(self) -> None:
+        self._check_common()
+        if self.logprobs:
+            raise unsupported("logprobs", "log probabilities are not returned")
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", "log probabilities are not returned")
+        if self.tools or self.functions:
+            raise unsupported("tools" if self.tools else "functions", "tool / function calling is not implemented")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise unsupported("tool_choice" if self.tool_choice not in (None, "none") else "function_call",
+                              "tool / function calling is not implemented")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", f"type {self.response_format.get('type')!r} (only 'text')")
+
+    def chat_messages(self) -> list[dict]:
+        out = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text(i)})
+        return out
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+def parse(model_cls, body: Any):
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    req.check()
+    return req
+
+
+# --------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def usage(out: RequestOutput) -> dict:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def spec_stats(out: RequestOutput) -> dict:
+    """The ``specray`` extension field: speculative decoding figures."""
+    m = out.metrics
+    return {
+        "mean_acceptance_length": round(m.mean_acceptance_length, 4),
+        "acceptance_lengths": list(m.acceptance_lengths),
+        "num_drafts": len(m.acceptance_lengths) if m.num_draft_tokens else 0,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "accepted_per_position": list(m.accepted_per_position),
+        "ttft_s": None if m.ttft is None else round(m.ttft, 6),
+    }
+
+
+def completion_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
+    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage(out), "system_fingerprint": None, "specray": spec_stats(out)}
+    if return_token_ids:
+        choice["token_ids"] = list(out.token_ids)
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
+    return body
+
+
+def chat_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": out.text, "refusal": None},
+              "logprobs": None, "finish_reason": finish_reason(out)}
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage(out), "system_fingerprint": None, "specray": spec_stats(out)}
+    if return_token_ids:
+        choice["token_ids"] = list(out.token_ids)
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
+    return body
+
+
+def sse(data: dict | str) -> bytes:
+    if isinstance(data, str):
+        return f"data: {data}\n\n".encode()
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class ChunkWriter:
+    """OpenAI's streaming chunks for one request (chat or completion)."""
+
+    def __init__(self, kind: str, rid: str, model: str, include_usage: bool, return_token_ids: bool):
+        self.chat = kind == "chat"
+        self.rid, self.model = rid, model
+        self.include_usage, self.return_token_ids = include_usage, return_token_ids
+        self.created = int(time.time())
+        self.sent_role = False
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return body
+
+    def _choice(self, text: str | None, token_ids: list[int], reason: str | None) -> dict:
+        if self.chat:
+            delta: dict = {}
+            if not self.sent_role:
+                delta = {"role": "assistant", "content": ""}
+                self.sent_role = True
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def start(self) -> list[bytes]:
+        """Chat streams open with the assistant role (as OpenAI's do)."""
+        if self.chat:
+            return [sse(self._chunk([self._choice(None, [], None)]))]
+        return []
+
+    def delta(self, out: RequestOutput) -> list[bytes]:
+        chunks = []
+        if not out.finished:
+            if out.delta_text or (self.return_token_ids and out.delta_token_ids):
+                chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None)])))
+            return chunks
+        reason = finish_reason(out)
+        if reason is None:  # aborted or failed inside the engine
+            chunks.append(sse(APIError(500, f"generation ended early ({out.finish_reason})", "server_error",
+                                       None, out.finish_reason).body()))
+            chunks.append(sse("[DONE]"))
+            return chunks
+        if self.chat and (out.delta_text or (self.return_token_ids and out.delta_token_ids)):
+            # content first, then an empty delta carrying the finish reason
+            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None)])))
+            chunks.append(sse(self._chunk([self._choice(None, [], reason)], specray=spec_stats(out))))
+        else:
+            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, reason)],
+                                          specray=spec_stats(out))))
+        if self.include_usage:
+            chunks.append(sse(self._chunk([], usage=usage(out))))
+        chunks.append(sse("[DONE]"))
+        return chunks
