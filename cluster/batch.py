@@ -1,0 +1,808 @@
+"""Batch generation over JSONL / Parquet, locally or as a ``ray job submit``
+entry point (``specray batch ...`` or ``python deploy/ray/batch_job.py ...``).
+
+Input: one record per JSONL line (or Parquet row) with an ``id`` and either a
+``prompt`` string or OpenAI-style ``messages`` (rendered with the target's
+chat template), plus optional per-row ``max_tokens``, ``temperature``,
+``top_p``, ``top_k``, ``seed`` and ``stop`` overriding the command-line
+defaults. Output, in the input's format: one row per input id with ``id``,
+``text``, ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` and
+``mean_acceptance_length``. Rows that cannot run go to ``OUTPUT.errors.jsonl``
+(``line``, ``id`` when known, ``stage``, ``reason``) and never stop the job.
+
+Scale-out: Ray Data actor pools
+-------------------------------
+The driver reads and validates the input, then hands the runnable rows to
+``ray.data.from_items(...).map_batches(Replica, compute=ActorPoolStrategy(
+size=R))``. Each ``Replica`` actor builds one ``LLM`` when it starts: an
+in-process engine (target + drafter in the actor, on its own CPU cores or one
+GPU) or, with ``--tp`` > 1, ``backend="ray"``, where the replica actor only
+coordinates (it requests no GPU) and the engine starts its own target TP group
+and drafter actor in a placement group. Every call hands the engine a whole
+batch of ``--batch-size`` rows through one ``llm.generate`` so continuous
+batching keeps the engine full; the driver consumes finished batches
+(``iter_batches``, completion order) and writes them out immediately.
+
+Why Ray Data rather than a hand-written scheduler: the pool gives us actor
+start-up with resource requests (CPUs / GPUs per replica), a work queue that
+feeds whichever replica is free (uneven prompt lengths balance themselves),
+backpressure between a fast reader and slow replicas, streaming of results to
+the driver as they complete, actor-failure handling and clean teardown when
+the driver exits or is killed -- all of which a hand-written
+``ray.util.ActorPool`` loop would re-implement. What we keep for ourselves is
+what Ray Data does not know: validation, per-row error capture, and an
+append-only, resumable sink. (We do not use ``Dataset.write_*``: its files
+appear per block at the end of a write task and it has no notion of "rows
+already done", which resume needs.)
+
+Resume
+------
+The output is the record of what is done. JSONL rows are appended by the
+driver only (one writer, guarded by ``flock``), one ``os.write`` per finished
+batch on an ``O_APPEND`` descriptor, then ``fsync``: a killed process (SIGKILL
+included) leaves whole lines, and a crash of the machine can leave at most one
+partial last line. A rerun scans the output, truncates a trailing partial /
+unparsable line, skips every input id already present, and appends the rest,
+so no id is ever written twice. The errors file is scanned the same way:
+engine-stage errors (e.g. prompt too long) count as done; input-stage errors
+(bad JSON, missing fields, invalid params, duplicate ids) are recomputed each
+run and appended only for lines not already recorded. ``--retry-errors``
+drops engine-stage errors first so those rows run again.
+
+Parquet output cannot be appended to safely, so rows are staged as JSONL in
+``OUTPUT.staging.jsonl`` with exactly the rules above; when every row is done,
+the staged rows (plus those of an existing ``OUTPUT``) are sorted into input
+order and written to ``OUTPUT.tmp``, which is renamed over ``OUTPUT``
+(atomic), and only then is the staging file removed. A kill at any point
+leaves either the old complete file or the new one, and the next run merges
+again, keeping one row per id.
+
+Every line of the input ends in exactly one of the output or the errors file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+INT_FIELDS = ("max_tokens", "top_k", "seed")
+OUTPUT_FIELDS = ("id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "mean_acceptance_length")
+JSONL_EXTS = (".jsonl", ".ndjson", ".json")
+PARQUET_EXTS = (".parquet", ".pq")
+
+
+class BatchError(Exception):
+    """A problem with the job as a whole (arguments, files): exit code 2."""
+
+
+# ======================================================================= input
+def detect_format(path: str | os.PathLike) -> str | None:
+    name = str(path).lower()
+    if name.endswith(JSONL_EXTS):
+        return "jsonl"
+    if name.endswith(PARQUET_EXTS):
+        return "parquet"
+    return None
+
+
+def read_records(path: str | os.PathLike, fmt: str):
+    """Yield ``(line, record_or_error)``: ``line`` is the 1-based line (JSONL)
+    or row (Parquet) number; a record that cannot be read comes as a
+    string saying why."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        for i, rec in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, rec
+        return
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, spacing) are not records
+            try:
+                yield i, json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                yield i, f"invalid JSON: {e}"
+
+
+def id_key(value) -> str:
+    """Canonical form of an id for set membership (1 and "1" differ)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _check_messages(messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list of {role, content} objects"
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{j}] must be an object with role and content"
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            return f"messages[{j}].role must be a non-empty string"
+        if not isinstance(m.get("content"), str):
+            return f"messages[{j}].content must be a string"
+    return None
+
+
+def validate_record(rec, defaults: dict) -> tuple[dict | None, str | None]:
+    """``(task, None)`` for a runnable record, ``(None, reason)`` otherwise.
+    A task is ``{"id", "prompt" | "messages", "params"}`` with the sampling
+    params already checked by ``SamplingParams``."""
+    from specray.sampling import SamplingParams
+
+    if isinstance(rec, str):
+        return None, rec
+    if not isinstance(rec, dict):
+        return None, f"a row must be a JSON object, got {type(rec).__name__}"
+    rid = rec.get("id")
+    if _missing(rid):
+        return None, "missing id"
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        return None, f"id must be a non-empty string or an integer, got {rid!r}"
+    prompt, messages = rec.get("prompt"), rec.get("messages")
+    if not _missing(prompt) and not _missing(messages):
+        return None, "give either prompt or messages, not both"
+    task: dict = {"id": rid}
+    if not _missing(prompt):
+        if not isinstance(prompt, str) or not prompt:
+            return None, "prompt must be a non-empty string"
+        task["prompt"] = prompt
+    elif not _missing(messages):
+        why = _check_messages(messages)
+        if why:
+            return None, why
+        task["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        return None, "missing prompt or messages"
+    params = dict(defaults)
+    for k in PARAM_FIELDS:
+        v = rec.get(k)
+        if _missing(v):
+            continue
+        if k in INT_FIELDS and isinstance(v, float) and v.is_integer():
+            v = int(v)  # Parquet written by pandas stores nullable ints as floats
+        if k == "stop" and not isinstance(v, (str, list)):
+            v = list(v) if hasattr(v, "__iter__") else v
+        params[k] = v
+    try:
+        SamplingParams(**params)
+    except (ValueError, TypeError) as e:
+        return None, f"invalid sampling params: {e}"
+    task["params"] = params
+    return task, None
+
+
+# ================================================================ JSONL files
+class JsonlLog:
+    """An append-only JSONL file of finished rows that survives kills.
+
+    ``open()`` takes an exclusive ``flock`` (one writer), scans the existing
+    lines and truncates a partial or unparsable *last* line (what a crash can
+    leave); a bad line anywhere else means the file is not ours: refuse.
+    ``append(rows)`` writes all rows in one ``write`` on an ``O_APPEND``
+    descriptor, then ``fsync``."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd: int | None = None
+        self.rows: list[dict] = []
+        self.discarded_bytes = 0
+
+    def open(self, lock: bool = True) -> "JsonlLog":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        if lock:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self.fd)
+                self.fd = None
+                raise BatchError(f"{self.path} is being written by another batch job") from None
+        self.rows, good_end, size = self._scan()
+        if good_end < size:
+            self.discarded_bytes = size - good_end
+            os.ftruncate(self.fd, good_end)
+            os.fsync(self.fd)
+        return self
+
+    def _scan(self) -> tuple[list[dict], int, int]:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        rows, pos, lineno = [], 0, 0
+        while pos < len(data):
+            end = data.find(b"\n", pos)
+            lineno += 1
+            last = end == -1 or end == len(data) - 1
+            if end == -1:  # no newline: a torn last write
+                break
+            line = data[pos:end]
+            try:
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                if last:
+                    break
+                raise BatchError(
+                    f"{self.path}: line {lineno} is not a JSON row and is not the last line; "
+                    "this file was not written by specray batch (move it away or pick another --output)"
+                ) from None
+            rows.append(obj)
+            pos = end + 1
+        return rows, pos, len(data)
+
+    def append(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        buf = b"".join(_dump_line(r) for r in rows)
+        view = memoryview(buf)
+        while view:  # a regular file takes it in one write; loop for safety
+            n = os.write(self.fd, view)
+            view = view[n:]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
+
+
+def _dump_line(row: dict) -> bytes:
+    try:
+        return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: escape them
+        return (json.dumps(row) + "\n").encode("ascii")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ===================================================================== sinks
+class Sink:
+    """Where finished rows go. JSONL: the output file itself. Parquet: a JSONL
+    staging file, merged into the Parquet output by ``finalize``."""
+
+    def __init__(self, output: Path, fmt: str):
+        self.output, self.fmt = Path(output), fmt
+        self.log_path = self.output if fmt == "jsonl" else self.output.with_name(self.output.name + ".staging.jsonl")
+        self.log = JsonlLog(self.log_path)
+        self.existing: list[dict] = []  # rows of an existing Parquet output
+
+    def open(self) -> set[str]:
+        """Open for appending; return the id keys already done."""
+        self.log.open()
+        if self.fmt == "parquet" and self.output.exists():
+            import pyarrow.parquet as pq
+
+            self.existing = pq.read_table(self.output).to_pylist()
+        return {id_key(r.get("id")) for r in (*self.existing, *self.log.rows)}
+
+    def append(self, rows: list[dict]) -> None:
+        self.log.append(rows)
+
+    def finalize(self, order: dict[str, int]) -> None:
+        """Parquet: merge existing + staged rows (one per id, input order)
+        into ``OUTPUT`` atomically, then drop the staging file."""
+        if self.fmt != "parquet":
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        staged = JsonlLog(self.log_path)
+        staged.rows, _, _ = staged._scan() if self.log_path.exists() else ([], 0, 0)
+        rows, seen = [], set()
+        for r in (*self.existing, *staged.rows):
+            k = id_key(r.get("id"))
+            if k not in seen:
+                seen.add(k)
+                rows.append({f: r.get(f) for f in OUTPUT_FIELDS})
+        rows.sort(key=lambda r: order.get(id_key(r["id"]), float("inf")))
+        id_type = pa.int64() if rows and all(isinstance(r["id"], int) for r in rows) else pa.string()
+        if id_type == pa.string():
+            for r in rows:
+                r["id"] = str(r["id"])
+        schema = pa.schema([
+            ("id", id_type), ("text", pa.string()), ("prompt_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()), ("finish_reason", pa.string()),
+            ("mean_acceptance_length", pa.float64()),
+        ])
+        tmp = self.output.with_name(self.output.name + ".tmp")
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.output)
+        self.log.close()
+        self.log_path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+# =================================================================== replica
+RESULT_COLUMNS = ("line", "id_json", "text", "prompt_tokens", "completion_tokens", "finish_reason",
+                  "mean_acceptance_length", "decode_steps", "accepted_sum", "error")
+
+
+def _result_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("line", pa.int64()), ("id_json", pa.string()), ("text", pa.string()),
+        ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("finish_reason", pa.string()),
+        ("mean_acceptance_length", pa.float64()), ("decode_steps", pa.int64()), ("accepted_sum", pa.int64()),
+        ("error", pa.string()),
+    ])
+
+
+_RAY_PROMPT_ERROR = re.compile(r"^prompt (\d+): (.*)$", re.S)
+
+
+class Replica:
+    """One engine replica inside a Ray Data actor: builds its ``LLM`` once,
+    then runs whole batches through one ``generate`` call each. Rows the
+    engine refuses (too long, template errors, ...) come back as error rows;
+    the rest of the batch runs."""
+
+    def __init__(self, llm_kwargs: dict, num_threads: int | None = None):
+        if num_threads:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        from specray.llm import LLM
+
+        self.llm = LLM(**llm_kwargs)
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch
+        results = self.run(rows)
+        return pa.Table.from_pylist(results, schema=_result_schema())
+
+    # ------------------------------------------------------------------
+    def _prompt(self, task: dict) -> str:
+        if "prompt" in task:
+            return task["prompt"]
+        tok = self.llm.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("the target has no chat template: give a prompt string instead of messages")
+        try:
+            return tok.apply_chat_template(task["messages"], tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors (e.g. a role the template rejects)
+            raise ValueError(f"chat template failed: {e}") from None
+
+    def run(self, rows: list[dict]) -> list[dict]:
+        from specray.sampling import SamplingParams
+
+        out: list[dict] = []
+        todo = []  # (row, prompt, params)
+        for row in rows:
+            base = {c: None for c in RESULT_COLUMNS}
+            base.update(line=row["line"], id_json=row["id_json"])
+            try:
+                task = json.loads(row["task"])
+                prompt = self._prompt(task)
+                params = SamplingParams(**task["params"])
+                if self.llm.engine is not None:  # in-process: the engine judges each row up front
+                    self.llm.engine.make_request(prompt, params)
+            except ValueError as e:
+                out.append({**base, "error": str(e)})
+                continue
+            todo.append((base, prompt, params))
+
+        while todo:
+            try:
+                outputs = self.llm.generate([p for _, p, _ in todo], [sp for _, _, sp in todo])
+            except ValueError as e:
+                # Ray backend: the core names the first prompt it refused;
+                # record it and run the others.
+                m = _RAY_PROMPT_ERROR.match(str(e))
+                if m and int(m.group(1)) < len(todo):
+                    base, _, _ = todo.pop(int(m.group(1)))
+                    out.append({**base, "error": m.group(2)})
+                    continue
+                if len(todo) == 1:
+                    base, _, _ = todo.pop()
+                    out.append({**base, "error": str(e)})
+                    continue
+                # Unattributed: isolate by running rows one at a time.
+                for item in list(todo):
+                    out.extend(self.run_one(item))
+                break
+            for (base, _, _), o in zip(todo, outputs):
+                acc = o.metrics.acceptance_lengths
+                out.append({
+                    **base,
+                    "text": o.text,
+                    "prompt_tokens": len(o.prompt_token_ids),
+                    "completion_tokens": len(o.token_ids),
+                    "finish_reason": o.finish_reason,
+                    "mean_acceptance_length": o.metrics.mean_acceptance_length,
+                    "decode_steps": len(acc),
+                    "accepted_sum": sum(acc),
+                })
+            break
+        return out
+
+    def run_one(self, item) -> list[dict]:
+        base, prompt, params = item
+        try:
+            (o,) = self.llm.generate([prompt], [params])
+        except ValueError as e:
+            return [{**base, "error": str(e)}]
+        acc = o.metrics.acceptance_lengths
+        return [{**base, "text": o.text, "prompt_tokens": len(o.prompt_token_ids),
+                 "completion_tokens": len(o.token_ids), "finish_reason": o.finish_reason,
+                 "mean_acceptance_length": o.metrics.mean_acceptance_length,
+                 "decode_steps": len(acc), "accepted_sum": sum(acc)}]
+
+    def __del__(self):
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.shutdown()
+            except Exception:
+                pass
+
+
+# ==================================================================== driver
+@dataclass
+class Progress:
+    """Running totals of this run, for the bar and the summary."""
+
+    rows: int = 0
+    errors: int = 0
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.start, 1e-9)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.accepted / self.steps if self.steps else 0.0
+
+
+def _connect_ray(address: str | None, num_cpus: int | None) -> bool:
+    """Connect to ``address`` / ``RAY_ADDRESS`` (inside ``ray job submit``),
+    or start a local Ray bound to loopback. Returns whether we started
+    the connection (and must close it)."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        # A private local cluster: loopback only (must precede `import ray`).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        kw = {}
+        host = address.split("://")[-1].rsplit(":", 1)[0]
+        if host in ("127.0.0.1", "localhost"):
+            kw["_node_ip_address"] = "127.0.0.1"  # a loopback cluster: this driver is on its node
+        ray.init(address=address, logging_level="WARNING", **kw)
+    else:
+        # "local": a new private instance even if a `ray start` cluster runs here.
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 logging_level="WARNING")
+    return True
+
+
+def _engine_kwargs(args, target: str, drafter: str | None) -> dict:
+    kw: dict = dict(target=target, drafter=drafter, device=args.device, dtype=args.dtype)
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    for item in args.engine_arg or []:
+        if "=" not in item:
+            raise BatchError(f"--engine-arg wants KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            kw[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            kw[k.strip()] = v
+    backend = args.backend
+    if backend == "auto":
+        backend = "ray" if args.tp > 1 else "inprocess"
+    kw["backend"] = backend
+    if backend == "ray":
+        kw["tensor_parallel_size"] = args.tp
+        kw["drafter_placement"] = args.drafter_placement
+    elif args.tp != 1:
+        raise BatchError("--tp > 1 needs --backend ray (or auto)")
+    return kw
+
+
+def _check_models(kw: dict) -> None:
+    """Cheap up-front check of the checkpoints when the driver can see them
+    (on a cluster they may live only on the workers' disks)."""
+    from specray.config import DrafterSpec, EngineConfig, TargetSpec
+
+    EngineConfig(**{k: v for k, v in kw.items() if k not in ("backend", "tensor_parallel_size", "drafter_placement")})
+    if not Path(kw["target"]).is_dir():
+        return
+    t = TargetSpec.from_dir(kw["target"])
+    if kw.get("drafter") and Path(kw["drafter"]).is_dir():
+        DrafterSpec.from_dir(kw["drafter"]).check_fits(t)
+
+
+def default_paths(output: Path, errors: str | None, summary: str | None) -> tuple[Path, Path]:
+    return (
+        Path(errors) if errors else output.with_name(output.name + ".errors.jsonl"),
+        Path(summary) if summary else output.with_name(output.name + ".summary.json"),
+    )
+
+
+def run(args) -> dict:
+    """The whole job; returns the summary (also written beside the output)."""
+    t_start = time.perf_counter()
+    inp, output = Path(args.input), Path(args.output)
+    if not inp.is_file():
+        raise BatchError(f"input file {inp} does not exist")
+    fmt = detect_format(inp)
+    if fmt is None:
+        raise BatchError(f"cannot tell the format of {inp}: use .jsonl/.ndjson/.json (JSON Lines) or .parquet")
+    out_fmt = detect_format(output)
+    if out_fmt is not None and out_fmt != fmt:
+        raise BatchError(f"the output is written in the input's format ({fmt}); {output} says {out_fmt}")
+    errors_path, summary_path = default_paths(output, args.errors, args.summary)
+    if args.replicas < 1 or args.tp < 1:
+        raise BatchError("--replicas and --tp must be at least 1")
+
+    from specray.cli import resolve_models
+
+    target, drafter = resolve_models(args)
+    llm_kwargs = _engine_kwargs(args, target, drafter)
+    _check_models(llm_kwargs)
+
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+    try:
+        from specray.sampling import SamplingParams
+
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise BatchError(f"invalid sampling options: {e}") from None
+
+    # ---- read + validate in the driver (cheap checks only)
+    tasks: list[dict] = []  # {"line", "id_json", "task"}
+    input_errors: list[dict] = []
+    first_seen: dict[str, int] = {}
+    order: dict[str, int] = {}
+    n_records = 0
+    for line, rec in read_records(inp, fmt):
+        n_records += 1
+        task, why = validate_record(rec, defaults)
+        rid = rec.get("id") if isinstance(rec, dict) else None
+        if task is not None:
+            k = id_key(task["id"])
+            if k in first_seen:
+                task, why = None, f"duplicate id (first on line {first_seen[k]})"
+            else:
+                first_seen[k] = line
+                order[k] = line
+        if task is None:
+            err = {"line": line, "stage": "input", "reason": why}
+            if not _missing(rid) and isinstance(rid, (str, int)) and not isinstance(rid, bool):
+                err = {"line": line, "id": rid, "stage": "input", "reason": why}
+            input_errors.append(err)
+            continue
+        tasks.append({"line": line, "id_json": id_key(task["id"]), "task": json.dumps(task)})
+
+    # ---- resume state
+    sink = Sink(output, fmt)
+    errlog = JsonlLog(errors_path)
+    try:
+        done = sink.open()
+        errlog.open()
+        if args.retry_errors and any(e.get("stage") == "engine" for e in errlog.rows):
+            keep = [e for e in errlog.rows if e.get("stage") != "engine"]
+            _atomic_write_text(errors_path, "".join(_dump_line(e).decode("utf-8") for e in keep))
+            errlog.close()
+            errlog = JsonlLog(errors_path).open()
+        recorded_lines = {e.get("line") for e in errlog.rows}
+        engine_done = {e.get("line") for e in errlog.rows if e.get("stage") == "engine"}
+        new_input_errors = [e for e in input_errors if e["line"] not in recorded_lines]
+        errlog.append(new_input_errors)
+        pending = [t for t in tasks if t["id_json"] not in done and t["line"] not in engine_done]
+        resumed = len(tasks) - len(pending)
+        unknown = len(done - set(order))
+        if sink.log.discarded_bytes or errlog.discarded_bytes:
+            print(f"specray batch: discarded a partial last line ({sink.log.discarded_bytes} B in "
+                  f"{sink.log_path.name}, {errlog.discarded_bytes} B in {errors_path.name})", file=sys.stderr)
+        if resumed:
+            print(f"specray batch: resuming: {resumed} of {len(tasks)} rows already done", file=sys.stderr)
+
+        prog = Progress()
+        status = "complete"
+        failure = None
+        if pending:
+            try:
+                _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before=resumed, total=len(tasks))
+            except KeyboardInterrupt:
+                status, failure = "interrupted", "interrupted"
+            except Exception as e:  # a replica died, the cluster went away, ...
+                status, failure = "failed", f"{type(e).__name__}: {e}"
+        if status == "complete":
+            sink.finalize(order)
+        n_errors = len(errlog.rows) + len(new_input_errors) + prog.errors
+    finally:
+        sink.close()
+        errlog.close()
+
+    pipeline_s = prog.elapsed if pending else 0.0
+    summary = {
+        "status": status,
+        "input": str(inp),
+        "output": str(output),
+        "errors_file": str(errors_path),
+        "rows_input": n_records,
+        "rows_ok": len((done | set()) & set(order)) + prog.rows,
+        "rows_generated": prog.rows,
+        "rows_resumed": resumed,
+        "errors": n_errors,
+        "errors_new": len(new_input_errors) + prog.errors,
+        "wall_s": round(time.perf_counter() - t_start, 3),
+        "generate_s": round(pipeline_s, 3),
+        "output_tokens": prog.tokens,
+        "output_tokens_per_s": round(prog.tokens / pipeline_s, 2) if pipeline_s else 0.0,
+        "rows_per_s": round(prog.rows / pipeline_s, 3) if pipeline_s else 0.0,
+        "mean_acceptance_length": round(prog.mean_acceptance_length, 4),
+        "replicas": args.replicas,
+        "tp": args.tp,
+        "batch_size": args.batch_size,
+        "backend": llm_kwargs["backend"],
+        "target": target,
+        "drafter": drafter,
+    }
+    if unknown:
+        summary["rows_not_in_input"] = unknown
+    if failure:
+        summary["failure"] = failure
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before: int, total: int) -> None:
+    import ray
+    from ray.data import ActorPoolStrategy, DataContext
+    from tqdm import tqdm
+
+    owns_ray = _connect_ray(args.address, args.num_cpus)
+    try:
+        ctx = DataContext.get_current()
+        ctx.enable_progress_bars = False  # ours is below
+        ctx.actor_init_max_retries = 1  # a replica that cannot load its model will not load on retry
+        gpu = llm_kwargs["device"] != "cpu"
+        inprocess = llm_kwargs["backend"] == "inprocess"
+        cpus = args.cpus_per_replica if args.cpus_per_replica is not None else (1.0 if inprocess else 0.0)
+        gpus = 1.0 if (gpu and inprocess) else 0.0
+        batch_size = args.batch_size or max(1, min(64, math.ceil(len(pending) / (2 * args.replicas))))
+        args.batch_size = batch_size
+        threads = max(1, int(cpus)) if (inprocess and not gpu) else None
+        ds = ray.data.from_items(pending, override_num_blocks=max(1, math.ceil(len(pending) / batch_size)))
+        ds = ds.map_batches(
+            Replica,
+            fn_constructor_kwargs={"llm_kwargs": llm_kwargs, "num_threads": threads},
+            batch_size=batch_size,
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(size=args.replicas, max_tasks_in_flight_per_actor=2),
+            num_cpus=cpus,
+            num_gpus=gpus,
+        )
+        bar = tqdm(total=total, initial=done_before, unit="row", dynamic_ncols=True, file=sys.stderr,
+                   disable=args.no_progress, mininterval=0.5, smoothing=0.1)
+        prog.start = time.perf_counter()
+        try:
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
+                ok, bad = [], []
+                for r in batch.to_pylist():
+                    rid = json.loads(r["id_json"])
+                    if r["error"] is not None:
+                        bad.append({"line": r["line"], "id": rid, "stage": "engine", "reason": r["error"]})
+                        continue
+                    ok.append({"id": rid, "text": r["text"], "prompt_tokens": r["prompt_tokens"],
+                               "completion_tokens": r["completion_tokens"], "finish_reason": r["finish_reason"],
+                               "mean_acceptance_length": round(r["mean_acceptance_length"], 4)})
+                    prog.tokens += r["completion_tokens"]
+                    prog.steps += r["decode_steps"]
+                    prog.accepted += r["accepted_sum"]
+                sink.append(ok)  # rows first: they are the record of what is done
+                errlog.append(bad)
+                prog.rows += len(ok)
+                prog.errors += len(bad)
+                bar.update(len(ok) + len(bad))
+                bar.set_postfix_str(
+                    f"{prog.tokens / prog.elapsed:.1f} tok/s, acc {prog.mean_acceptance_length:.2f}, "
+                    f"errors {prog.errors}", refresh=False)
+        finally:
+            bar.close()
+    finally:
+        if owns_ray:
+            ray.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specray batch",
+        description="Batch generation over a JSONL or Parquet file with DFlash speculative decoding on Ray "
+        "(resumable: rerun the same command after an interruption).",
+    )
+    p.add_argument("--input", required=True, help="JSONL (.jsonl/.ndjson/.json) or Parquet (.parquet) rows")
+    p.add_argument("--output", required=True, help="written in the input's format; rerun to resume")
+    p.add_argument("--errors", help="error rows (default: OUTPUT.errors.jsonl)")
+    p.add_argument("--summary", help="run summary JSON (default: OUTPUT.summary.json)")
+    m = p.add_argument_group("model")
+    m.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
+    m.add_argument("--no-drafter", action="store_true", help="decode autoregressively")
+    m.add_argument("--device", default="cpu", help="cpu | cuda (each in-process replica takes one GPU)")
+    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--max-model-len", type=int)
+    m.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                   help="extra EngineConfig field, e.g. max_num_seqs=128 or num_kv_blocks=4096 (repeatable)")
+    s = p.add_argument_group("scale-out")
+    s.add_argument("--replicas", type=int, default=1, help="engine replicas (Ray Data actor pool size)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each replica's target")
+    s.add_argument("--backend", choices=["auto", "inprocess", "ray"], default="auto",
+                   help="auto: in-process engine per replica, or the Ray engine when --tp > 1")
+    s.add_argument("--drafter-placement", choices=["separate", "colocated"], default="separate")
+    s.add_argument("--batch-size", type=int, help="rows per generate call (default: up to 64)")
+    s.add_argument("--cpus-per-replica", type=float,
+                   help="CPUs each replica actor requests (default 1 in-process, 0 with the Ray engine)")
+    s.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else a private local cluster)")
+    s.add_argument("--num-cpus", type=int, help="CPUs of a private local cluster")
+    g = p.add_argument_group("sampling defaults (rows may override)")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    o = p.add_argument_group("other")
+    o.add_argument("--retry-errors", action="store_true", help="rerun rows the engine refused in an earlier run")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specray.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except (BatchError, ConfigError, FileNotFoundError) as e:
+        print(f"specray batch: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    if summary["status"] != "complete":
+        print(f"specray batch: {summary['status']}: {summary.get('failure')}; rerun the same command to resume",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Batch generation as a Ray job (specray.batch, deploy/ray/batch_job.py).
+
+One loopback Ray head (``ray start --head``, private temp dir and ports) serves
+every job in this file; jobs run as subprocesses of the CLI, like a user runs
+them, or through ``ray job submit``. A tiny random target (with tokenizer and
+chat template) and a tiny drafter keep 240 rows fast on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from factories import add_tokenizer, make_drafter, make_target
+
+pytest.importorskip("ray")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from specray.batch import JsonlLog, BatchError, Sink, id_key, validate_record  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL = REPO / "data" / "prompts" / "eval.jsonl"
+MAX_TOKENS = 12
+SHORT_MAX_TOKENS = 5
+CONTENT_CHARS = 90  # truncated eval prompts: short prompts for a tiny model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch_models")
+    hf = make_target(root / "t", seed=2)
+    add_tokenizer(root / "t", hf.config.vocab_size)
+    make_drafter(root / "d", hf.config, seed=12, block_size=8)
+    return root
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A Ray head on loopback with the job server, in its own process group
+    and temp dir (so no other Ray on this machine finds or is touched by it).
+    Teardown kills exactly that process group."""
+    ports = {k: _free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
+                                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                       "runtime-env-agent-port", "metrics-export-port")}
+    temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+           "--object-store-memory=300000000", *(f"--{k}={v}" for k, v in ports.items())]
+    log = open(Path(temp_dir) / "head.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    info = {"gcs": f"127.0.0.1:{ports['port']}", "dashboard": f"http://127.0.0.1:{ports['dashboard-port']}",
+            "temp_dir": temp_dir}
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, Path(temp_dir, "head.log").read_text()[-3000:]
+            try:
+                JobSubmissionClient(info["dashboard"]).list_jobs()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        yield info
+    finally:
+        pgid = os.getpgid(proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # stragglers of our own group only
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def eval_rows():
+    return [json.loads(line) for line in EVAL.read_text().splitlines() if line.strip()]
+
+
+def build_input(path: Path, copies: int = 5) -> list[dict]:
+    """copies x 48 eval prompts: messages rows (one copy with a per-row
+    max_tokens), and prompt-string rows; each copy with its own seed."""
+    rows = []
+    for k in range(copies):
+        for r in eval_rows():
+            content = r["messages"][0]["content"][:CONTENT_CHARS]
+            row = {"id": f"{r['id']}-{k}", "seed": k}
+            if k == copies - 1:
+                row["prompt"] = content
+            else:
+                row["messages"] = [{"role": "user", "content": content}]
+            if k == 2:
+                row["max_tokens"] = SHORT_MAX_TOKENS
+            rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def expected_texts(models, rows) -> dict:
+    """What LLM.generate gives for the same rows (greedy), computed on the
+    distinct (prompt, max_tokens) pairs."""
+    from specray import LLM, SamplingParams
+
+    llm = LLM(models / "t", models / "d", num_kv_blocks=2000)
+    tok = llm.tokenizer
+
+    def render(r):
+        if "prompt" in r:
+            return r["prompt"]
+        return tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+
+    keys = {}
+    for r in rows:
+        keys.setdefault((render(r), r.get("max_tokens", MAX_TOKENS)), []).append(r["id"])
+    pairs = list(keys)
+    outs = llm.generate([p for p, _ in pairs], [SamplingParams(max_tokens=n, temperature=0) for _, n in pairs])
+    return {rid: o.text for (pair, o) in zip(pairs, outs) for rid in keys[pair]}
+
+
+@pytest.fixture(scope="module")
+def job240(models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("job240")
+    rows = build_input(d / "in.jsonl")
+    return d / "in.jsonl", rows, expected_texts(models, rows)
+
+
+def batch_cmd(models, inp, out, head, *extra) -> list[str]:
+    return [sys.executable, "-m", "specray.cli", "batch", "--input", str(inp), "--output", str(out),
+            "--target", str(models / "t"), "--drafter", str(models / "d"), "--max-tokens", str(MAX_TOKENS),
+            "--temperature", "0", "--engine-arg", "num_kv_blocks=2000", "--address", head["gcs"], *extra]
+
+
+def run_batch(cmd, timeout=240) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_exactly_once(out_rows, rows, want):
+    ids = [r["id"] for r in out_rows]
+    assert len(ids) == len(set(ids)), "duplicate ids in the output"
+    assert set(ids) == {r["id"] for r in rows}
+    for r in out_rows:
+        assert r["text"] == want[r["id"]], r["id"]
+        assert set(r) == {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason",
+                          "mean_acceptance_length"}
+
+
+# --------------------------------------------------------------- unit tests
+def test_validate_record():
+    d = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": None}
+    task, why = validate_record({"id": 3, "prompt": "hi", "temperature": 0.5, "max_tokens": 4.0}, d)
+    assert why is None and task["params"]["temperature"] == 0.5 and task["params"]["max_tokens"] == 4
+    assert validate_record({"prompt": "hi"}, d)[1] == "missing id"
+    assert validate_record({"id": "a"}, d)[1] == "missing prompt or messages"
+    assert "either prompt or messages" in validate_record({"id": "a", "prompt": "x", "messages": []}, d)[1]
+    assert "top_p" in validate_record({"id": "a", "prompt": "x", "top_p": 0}, d)[1]
+    assert "content" in validate_record({"id": "a", "messages": [{"role": "user"}]}, d)[1]
+    assert "id must be" in validate_record({"id": True, "prompt": "x"}, d)[1]
+    # A Parquet null (or pandas NaN) is an absent field.
+    assert validate_record({"id": "a", "prompt": "x", "messages": None, "seed": float("nan")}, d)[1] is None
+    assert id_key(1) != id_key("1")
+
+
+def test_jsonl_log_discards_a_torn_last_line_and_refuses_a_foreign_file(tmp_path):
+    p = tmp_path / "o.jsonl"
+    p.write_bytes(b'{"id": 1}\n{"id": 2}\n{"id": 3, "te')
+    log = JsonlLog(p).open()
+    assert [r["id"] for r in log.rows] == [1, 2] and log.discarded_bytes == len(b'{"id": 3, "te')
+    log.append([{"id": 3}])
+    with pytest.raises(BatchError, match="another batch job"):
+        JsonlLog(p).open()  # one writer at a time
+    log.close()
+    assert p.read_bytes() == b'{"id": 1}\n{"id": 2}\n{"id": 3}\n'
+    p.write_bytes(b'{"id": 1}\nnot json\n{"id": 2}\n')
+    with pytest.raises(BatchError, match="not a JSON row"):
+        JsonlLog(p).open()
+
+
+def test_parquet_finalize_merges_once_per_id(tmp_path):
+    """A kill between renaming the merged Parquet into place and deleting
+    the staging file leaves both; the next merge keeps one row per id."""
+    out = tmp_path / "o.parquet"
+    row = lambda i: {"id": f"r{i}", "text": f"t{i}", "prompt_tokens": 3, "completion_tokens": 2,  # noqa: E731
+                     "finish_reason": "length", "mean_acceptance_length": 1.0}
+    pq.write_table(pa.Table.from_pylist([row(0), row(1)]), out)
+    (tmp_path / "o.parquet.staging.jsonl").write_text("".join(json.dumps(row(i)) + "\n" for i in (1, 2)) + '{"id"')
+    sink = Sink(out, "parquet")
+    assert sink.open() == {id_key("r0"), id_key("r1"), id_key("r2")}
+    sink.finalize({id_key(f"r{i}"): i for i in range(3)})
+    assert pq.read_table(out).to_pylist() == [row(0), row(1), row(2)]
+    assert not (tmp_path / "o.parquet.staging.jsonl").exists()
+
+
+# ------------------------------------------------------------ jobs on Ray
+def test_jsonl_job_matches_llm_generate(models, head, job240, tmp_path):
+    inp, rows, want = job240
+    out = tmp_path / "out.jsonl"
+    t = time.perf_counter()
+    r = run_batch(batch_cmd(models, inp, out, head, "--replicas", "2", "--batch-size", "16"))
+    wall = time.perf_counter() - t
+    out_rows = read_jsonl(out)
+    assert len(out_rows) == len(rows) >= 200
+    assert_exactly_once(out_rows, rows, want)
+    by_id = {r["id"]: r for r in out_rows}
+    assert by_id["eval-chat-01-2"]["completion_tokens"] <= SHORT_MAX_TOKENS
+    assert all(r["completion_tokens"] >= 1 and r["prompt_tokens"] > 0 for r in out_rows)
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in out_rows)
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert json.loads(r.stdout) == summary
+    assert summary["status"] == "complete" and summary["rows_generated"] == len(rows) and summary["errors"] == 0
+    assert summary["output_tokens"] == sum(r["completion_tokens"] for r in out_rows)
+    assert summary["output_tokens_per_s"] > 0 and summary["mean_acceptance_length"] >= 1.0
+    assert "row" in r.stderr and "tok/s" in r.stderr and "acc" in r.stderr  # the progress bar
+    print(f"\n240-row job (2 replicas): {wall:.1f} s end to end; summary {summary}")
+    # Nothing left to do: a rerun writes nothing and starts no Ray work.
+    again = run_batch(batch_cmd(models, inp, out, head))
+    assert read_jsonl(out) == out_rows
+    assert json.loads(again.stdout)["rows_resumed"] == len(rows)
+
+
+def test_sigkill_then_resume_gives_each_id_once(models, head, job240, tmp_path):
+    inp, rows, want = job240
+    out = tmp_path / "out.jsonl"
+    cmd = batch_cmd(models, inp, out, head, "--replicas", "1", "--batch-size", "8")
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        n = 0
+        while time.monotonic() < deadline and proc.poll() is None:
+            n = out.read_bytes().count(b"\n") if out.exists() else 0
+            if n >= 24:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"finished before the kill ({n} rows): {proc.stderr.read()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()
+    partial = read_jsonl(out)
+    assert 24 <= len(partial) < len(rows), len(partial)
+    assert len({r["id"] for r in partial}) == len(partial)
+    # What a machine crash mid-write could leave: a torn last line.
+    with open(out, "ab") as f:
+        f.write(b'{"id": "eval-math-01-0", "text": "tor')
+    r = run_batch(cmd)
+    summary = json.loads(r.stdout)
+    assert "discarded a partial last line" in r.stderr
+    assert summary["rows_resumed"] == len(partial) and summary["rows_generated"] == len(rows) - len(partial)
+    final = read_jsonl(out)
+    assert final[: len(partial)] == partial  # appended, never rewritten
+    assert_exactly_once(final, rows, want)
+
+
+def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    msg = [{"role": "user", "content": "Why is the sky blue?"}]
+    lines = [
+        json.dumps({"id": "ok-1", "messages": msg}),                          # 1
+        "{not json",                                                        # 2
+        json.dumps({"prompt": "no id here"}),                               # 3
+        json.dumps({"id": "no-prompt"}),                                    # 4
+        json.dumps({"id": "dup", "prompt": "The capital of France"}),       # 5
+        json.dumps({"id": "dup", "prompt": "again"}),                       # 6
+        json.dumps({"id": "bad-temp", "prompt": "hi", "temperature": -1}),  # 7
+        json.dumps({"id": "bad-max", "prompt": "hi", "max_tokens": 0}),     # 8
+        json.dumps({"id": "too-long", "prompt": "Hello world, " * 400}),    # 9: the engine refuses it
+        "[1, 2, 3]",                                                        # 10
+        json.dumps({"id": "bad-msg", "messages": "hello"}),                 # 11
+        "",                                                                 # 12: blank, skipped
+        json.dumps({"id": 7, "prompt": "Hello world", "max_tokens": 4}),    # 13
+    ]
+    inp.write_text("\n".join(lines) + "\n")
+    r = run_batch(batch_cmd(models, inp, out, head, "--no-progress"))
+    assert sorted(map(str, (x["id"] for x in read_jsonl(out)))) == ["7", "dup", "ok-1"]
+    errors = {e["line"]: e for e in read_jsonl(tmp_path / "out.jsonl.errors.jsonl")}
+    assert sorted(errors) == [2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert "invalid JSON" in errors[2]["reason"]
+    assert errors[3]["reason"] == "missing id"
+    assert errors[4]["reason"] == "missing prompt or messages" and errors[4]["id"] == "no-prompt"
+    assert "duplicate id (first on line 5)" == errors[6]["reason"]
+    assert "temperature" in errors[7]["reason"] and "max_tokens" in errors[8]["reason"]
+    assert errors[9]["stage"] == "engine" and "prompt has" in errors[9]["reason"] and errors[9]["id"] == "too-long"
+    assert "JSON object" in errors[10]["reason"] and "messages" in errors[11]["reason"]
+    summary = json.loads(r.stdout)
+    assert summary["errors"] == 9 and summary["rows_ok"] == 3 and summary["status"] == "complete"
+    # A rerun neither repeats rows nor errors.
+    before = (out.read_bytes(), (tmp_path / "out.jsonl.errors.jsonl").read_bytes())
+    r2 = run_batch(batch_cmd(models, inp, out, head, "--no-progress"))
+    assert (out.read_bytes(), (tmp_path / "out.jsonl.errors.jsonl").read_bytes()) == before
+    assert json.loads(r2.stdout)["errors_new"] == 0
+
+
+def test_parquet_in_parquet_out(models, head, job240, tmp_path):
+    _, rows, want = job240
+    sub = rows[:10] + rows[-6:]  # messages rows and prompt rows
+    table = pa.Table.from_pylist([
+        {"id": r["id"], "prompt": r.get("prompt"), "messages": r.get("messages"), "seed": r["seed"],
+         "max_tokens": r.get("max_tokens")} for r in sub
+    ] + [{"id": "too-long", "prompt": "Hello world, " * 400, "messages": None, "seed": None, "max_tokens": None}])
+    inp, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(table, inp)
+    r = run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--batch-size", "4"))
+    got = pq.read_table(out).to_pylist()
+    assert [g["id"] for g in got] == [x["id"] for x in sub]  # input order
+    assert all(g["text"] == want[g["id"]] for g in got)
+    assert not (tmp_path / "out.parquet.staging.jsonl").exists()
+    (err,) = read_jsonl(tmp_path / "out.parquet.errors.jsonl")
+    assert err["id"] == "too-long" and err["line"] == len(sub) + 1 and err["stage"] == "engine"
+    assert json.loads(r.stdout)["rows_ok"] == len(sub)
+
+
+def test_ray_job_submit_end_to_end(models, head, job240, tmp_path):
+    """`ray job submit` with the documented runtime_env: the working dir and
+    a py_modules copy of specray travel to the job."""
+    inp, rows, want = job240
+    work = tmp_path / "work"
+    (work / "deploy" / "ray").mkdir(parents=True)
+    for f in ("batch_job.py", "runtime_env.yaml"):
+        shutil.copy(REPO / "deploy" / "ray" / f, work / "deploy" / "ray" / f)
+    shutil.copy(inp, work / "in.jsonl")
+    env = _env()
+    subprocess.run([sys.executable, "deploy/ray/batch_job.py", "--stage-py-modules", "build/py_modules"],
+                   cwd=work, env=env, check=True, capture_output=True)
+    assert (work / "build/py_modules/specray/actors/target.py").is_file()
+    out = tmp_path / "out.jsonl"
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head["dashboard"],
+           "--working-dir", ".", "--runtime-env", "deploy/ray/runtime_env.yaml", "--",
+           "python", "deploy/ray/batch_job.py", "--input", "in.jsonl", "--output", str(out),
+           "--target", str(models / "t"), "--drafter", str(models / "d"), "--max-tokens", str(MAX_TOKENS),
+           "--temperature", "0", "--engine-arg", "num_kv_blocks=2000", "--replicas", "2", "--batch-size", "16"]
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0 and "succeeded" in log, log[-4000:]
+    assert "runtime_resources" in log.split("batch_job: specray from", 1)[1].splitlines()[0], "py_modules unused"
+    assert_exactly_once(read_jsonl(out), rows, want)
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert summary["status"] == "complete" and summary["rows_generated"] == len(rows)
