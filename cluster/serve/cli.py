@@ -1,0 +1,172 @@
+"""``specray serve``: run the OpenAI-compatible HTTP + gRPC server on Ray
+Serve, on loopback by default, until Ctrl-C."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SAMPLE_QUESTION = "What is the capital of France?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specray serve", description=__doc__)
+    m = p.add_argument_group("model")
+    m.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter of the default target)")
+    m.add_argument("--no-drafter", action="store_true", help="decode autoregressively")
+    m.add_argument("--model-name", help="served model id (default: the target directory's name)")
+    m.add_argument("--device", default="cpu", help="cpu | cuda")
+    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="target TP ranks")
+    m.add_argument("--drafter-placement", choices=["separate", "colocated"], default="separate")
+    m.add_argument("--backend", choices=["ray", "inprocess"], default="ray",
+                   help="ray: engine actors beside the replica (default); inprocess: the model inside the replica")
+    m.add_argument("--max-model-len", type=int)
+    m.add_argument("--num-kv-blocks", type=int)
+    m.add_argument("--kv-block-size", type=int, default=16)
+    m.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port")
+    s.add_argument("--grpc-port", type=int, default=9000, help="gRPC port (0: no gRPC)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: env SPECRAY_API_KEY)")
+    s.add_argument("--max-queued", type=int, default=64,
+                   help="requests admitted beyond --max-num-seqs per replica; more get HTTP 429")
+    s.add_argument("--num-replicas", type=int, default=1)
+    s.add_argument("--app-name", default="specray")
+    s.add_argument("--sample-request", action="store_true",
+                   help=f"after startup, ask {SAMPLE_QUESTION!r} and print the answer and its acceptance stats")
+    s.add_argument("--exit-after-sample", action="store_true", help="exit after --sample-request")
+    s.add_argument("--sample-max-tokens", type=int, default=32)
+    return p
+
+
+def _start_ray():
+    """Connect to RAY_ADDRESS, else start a local Ray bound to loopback.
+    Returns True when this process started Ray (and so should stop it)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="serve", logging_level="WARNING")
+        return False
+    # address="local": a fresh cluster even if /tmp/ray/ray_current_cluster
+    # names one that `ray start` left behind.
+    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
+             include_dashboard=False, namespace="serve", logging_level="WARNING")
+    return True
+
+
+def sample_request(base_url: str, model: str, api_key: str | None, max_tokens: int = 32,
+                   timeout: float = 300.0) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
+            "max_tokens": max_tokens, "temperature": 0}
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.exit_after_sample and not args.sample_request:
+        print("specray serve: --exit-after-sample needs --sample-request", file=sys.stderr)
+        return 2
+    from specray.config import ConfigError
+
+    try:
+        from specray.cli import resolve_models
+
+        target, drafter = resolve_models(args)
+    except Exception as e:  # the embedded default pair may be missing or not convertible here
+        what = "the default models" if args.target is None else "the models"
+        print(f"specray serve: error: cannot resolve {what}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("SPECRAY_API_KEY") or None
+    app_args = dict(
+        target=target, drafter=drafter, no_drafter=args.no_drafter, model_name=args.model_name,
+        device=args.device, dtype=args.dtype, backend=args.backend, tensor_parallel_size=args.tp,
+        drafter_placement=args.drafter_placement, max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks, kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
+        max_queued_requests=args.max_queued, api_key=api_key, num_replicas=args.num_replicas,
+    )
+    try:
+        from specray.serve.app import GRPC_SERVICER_FUNCTIONS, _resolve, build_app
+
+        settings = _resolve(app_args)
+        application = build_app(settings)
+    except (ConfigError, ValueError) as e:
+        print(f"specray serve: error: {e}", file=sys.stderr)
+        return 2
+
+    started_ray = _start_ray()
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:  # Serve already running on a cluster we joined: leave it running on exit
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        serve_was_running = True
+    except ValueError:
+        serve_was_running = False
+
+    grpc_options = {"port": args.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS} \
+        if args.grpc_port else {"port": 0, "grpc_servicer_functions": []}
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        t = time.perf_counter()
+        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options)
+        serve.run(application, name=args.app_name, route_prefix="/")
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        base_url = f"http://{host}:{args.port}"
+        print(f"specray: serving {settings.model_name!r} (target {target}, drafter {drafter or 'none'}) "
+              f"ready in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"specray: OpenAI API at {base_url}/v1  (health: {base_url}/health)", flush=True)
+        if args.grpc_port:
+            print(f"specray: gRPC specray.v1.SpecRay at {host}:{args.grpc_port}", flush=True)
+        if args.sample_request:
+            t = time.perf_counter()
+            resp = sample_request(base_url, settings.model_name, api_key, args.sample_max_tokens)
+            stats = resp.get("specray", {})
+            print(f"specray: sample Q: {SAMPLE_QUESTION}", flush=True)
+            print(f"specray: sample A: {resp['choices'][0]['message']['content']!r} "
+                  f"({resp['usage']['completion_tokens']} tokens, {time.perf_counter() - t:.2f} s, "
+                  f"finish {resp['choices'][0]['finish_reason']})", flush=True)
+            print(f"specray: mean acceptance length {stats.get('mean_acceptance_length', 0):.3f} over "
+                  f"{len(stats.get('acceptance_lengths', []))} decode steps "
+                  f"(accepted {stats.get('num_accepted_tokens')} of {stats.get('num_draft_tokens')} drafts)",
+                  flush=True)
+            if args.exit_after_sample:
+                return 0
+        print("specray: press Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("specray: shutting down", flush=True)
+    except urllib.error.URLError as e:
+        print(f"specray serve: sample request failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        try:
+            if serve_was_running:
+                serve.delete(args.app_name)
+            else:
+                serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+    return 0

@@ -1,0 +1,470 @@
+"""The Ray Serve front (specray.serve) on a loopback Ray cluster, CPU only.
+
+One application serves every test: deployed by `serve run` (a subprocess
+joined to this module's cluster through RAY_ADDRESS) from a copy of
+deploy/ray/serve.yaml whose model paths, ports and sizes point at tiny random
+checkpoints. The engine runs with the Ray backend (target rank + drafter
+actor). Clients: the real `openai` client, raw HTTP over sockets (for
+disconnects and 429s), gRPC stubs and examples/grpc_client.py.
+"""
+
+import asyncio
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from factories import add_tokenizer, make_drafter, make_target
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+grpc = pytest.importorskip("grpc")
+
+from ray import serve  # noqa: E402
+
+from specray import LLM, SamplingParams  # noqa: E402
+from specray.serve import specray_pb2 as pb  # noqa: E402
+from specray.serve import specray_pb2_grpc as pb_grpc  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key-123"
+APP = "specray"
+MODEL = "tiny-qwen3"
+MAX_NUM_SEQS = 8
+MAX_QUEUED = 8
+LIMIT = MAX_NUM_SEQS + MAX_QUEUED  # generation requests a replica admits at once
+PROMPTS = [
+    "The capital of France is", "Hello world, this is", "Speculative decoding drafts", "a test of the",
+    "Paris is", "The tokenizer", "blocks of tokens and", "verifies them at once.",
+    "Hello", "France", "world, this is a test", "The capital", "drafts a block", "of the tokenizer",
+    "at once", "is Paris.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path, http_port: int, grpc_port: int):
+        self.root, self.http_port, self.grpc_port = root, http_port, grpc_port
+        self.base = f"http://127.0.0.1:{http_port}"
+
+    # ---- raw HTTP (stdlib), for what the openai client hides
+    def request(self, method: str, path: str, body=None, key: str | None = API_KEY, timeout: float = 120):
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+        conn.close()
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = raw.decode()
+        return resp.status, resp.headers, payload  # headers: case-insensitive
+
+    def client(self, key: str = API_KEY, async_: bool = False):
+        cls = openai.AsyncOpenAI if async_ else openai.OpenAI
+        return cls(base_url=f"{self.base}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stats(self) -> dict:
+        return serve.get_app_handle(APP).engine_stats.remote().result()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Until no request is in flight and every KV block is free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            idle = (st["in_flight"] == 0 and st["num_unfinished"] == 0 and st["running"] == 0
+                    and all(free == cap for free, cap in st["pools"].values()))
+            if idle or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
+
+async def open_stream(port: int, body: dict, key: str = API_KEY, path: str = "/v1/completions",
+                      first_event: bool = True):
+    """A streaming request on a raw socket; returns once the first SSE event
+    arrived (the request is generating), or once sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data)
+    await writer.drain()
+    if not first_event:
+        return reader, writer
+    status_line = await asyncio.wait_for(reader.readline(), 120)
+    assert b" 200 " in status_line, status_line
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass
+    while True:
+        line = await asyncio.wait_for(reader.readline(), 120)
+        if b"data: " in line:
+            return reader, writer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    root = tmp_path_factory.mktemp("serve")
+    hf = make_target(root / MODEL, seed=2)
+    add_tokenizer(root / MODEL, hf.config.vocab_size)
+    make_drafter(root / "drafter", hf.config, seed=12, block_size=8)
+    # address="local": a fresh cluster even if `ray start` left an address file.
+    ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
+             logging_level="ERROR")
+    srv = Server(root, _free_port(), _free_port())
+    cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
+    cfg["http_options"].update(host="127.0.0.1", port=srv.http_port)
+    cfg["grpc_options"]["port"] = srv.grpc_port
+    app = cfg["applications"][0]
+    app["args"].update(target=str(root / MODEL), drafter=str(root / "drafter"), device="cpu",
+                       max_model_len=256, num_kv_blocks=160, kv_block_size=8, max_num_seqs=MAX_NUM_SEQS,
+                       max_queued_requests=MAX_QUEUED, api_key=API_KEY)
+    (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    proc = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", str(root / "serve.yaml"),
+                           "--non-blocking"], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if srv.request("GET", "/health", key=None, timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the app did not come up"
+            time.sleep(0.5)
+        yield srv
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_yaml_deploys_the_app(server):
+    """deploy/ray/serve.yaml (paths filled in) started what the tests use."""
+    cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(cfg)
+    app = cfg["applications"][0]
+    assert app["import_path"] == "specray.serve:build_app"
+    from specray.serve import GRPC_SERVICER_FUNCTIONS
+
+    assert cfg["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+    status = serve.status().applications[APP]
+    assert status.status == "RUNNING"
+    assert server.request("GET", "/health", key=None)[:1] == (200,)  # /health needs no key
+
+
+def test_models_and_auth(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == 256  # extension fields survive the client
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(key="wrong").models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    status, headers, body = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
+    assert status == 401 and set(body["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_chat_streaming_equals_non_streaming(server):
+    client = server.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert 0 < full.usage.completion_tokens <= 24
+    spec = full.model_extra["specray"]
+    assert spec["mean_acceptance_length"] >= 1 and len(spec["acceptance_lengths"]) >= 1
+    assert sum(spec["acceptance_lengths"]) == full.usage.completion_tokens - 1  # + the prefill's token
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == choice.finish_reason
+    assert finals[0].model_extra["specray"]["acceptance_lengths"] == spec["acceptance_lengths"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_text_completion(server):
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                    temperature=0, stop=["Paris"], seed=3, top_p=0.9,
+                                    extra_body={"top_k": 5, "return_token_ids": True})
+    assert out.object == "text_completion" and out.choices[0].finish_reason in ("stop", "length")
+    want = LLM(server.root / MODEL, server.root / "drafter").generate(
+        "The capital of France is", SamplingParams(max_tokens=12, temperature=0, stop=["Paris"]))[0]
+    assert out.choices[0].text == want.text
+    assert out.choices[0].model_extra["token_ids"] == want.token_ids
+    assert out.usage.prompt_tokens == len(want.prompt_token_ids)
+    # token-id prompts; streaming text joins to the same thing
+    ids = want.prompt_token_ids
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stop="Paris")
+    assert again.choices[0].text == want.text
+    parts = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stop="Paris",
+                                      stream=True)
+    assert "".join(c.choices[0].text for c in parts) == want.text
+
+
+def test_invalid_parameters(server):
+    client = server.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = [
+        dict(temperature=5), dict(n=2), dict(logprobs=True), dict(max_tokens=0), dict(top_p=0),
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        dict(extra_body={"top_k": -3}), dict(extra_body={"best_of": 2}), dict(extra_body={"no_such_field": 1}),
+        dict(response_format={"type": "json_object"}), dict(presence_penalty=1.0),
+    ]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=msgs, **{"max_tokens": 4, **kw})
+        err = e.value.body
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], (kw, err)
+        named = next(iter(kw.get("extra_body", kw)))
+        assert err["param"] == named or named in err["message"], (kw, err)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[1, 2, 99999], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="256"):  # too long for max_model_len
+        client.completions.create(model=MODEL, prompt=[5] * 300, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other-model", prompt="x", max_tokens=2)
+    # pydantic errors and broken JSON come back in OpenAI's shape, as 400s
+    status, _, body = server.request("POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                                                      "max_tokens": "many"})
+    assert status == 400 and body["error"]["param"] == "max_tokens" and body["error"]["type"] == "invalid_request_error"
+    status, _, body = server.request("POST", "/v1/chat/completions", b"{not json")
+    assert status == 400 and "JSON" in body["error"]["message"]
+    status, _, body = server.request("POST", "/v1/chat/completions", {"model": MODEL})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, _, body = server.request("GET", "/v1/nothing")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert server.wait_idle()["in_flight"] == 0  # rejected requests hold no slot
+
+
+def _grpc_stub(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    return channel, pb_grpc.SpecRayStub(channel)
+
+
+def test_grpc_streams_the_same_tokens_as_http(server):
+    channel, stub = _grpc_stub(server)
+    md = [("authorization", f"Bearer {API_KEY}")]
+    with channel:
+        models = stub.ListModels(pb.ListModelsRequest(), metadata=md)
+        assert [m.id for m in models.models] == [MODEL] and models.models[0].speculative
+        for prompt in ("Speculative decoding drafts", "Hello world"):
+            http = server.client().completions.create(
+                model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body={"return_token_ids": True})
+            msgs = list(stub.Generate(pb.GenerateRequest(
+                model=MODEL, prompt=prompt, params=pb.SamplingParams(max_tokens=20, temperature=0)), metadata=md))
+            assert sum((list(m.token_ids) for m in msgs), []) == http.choices[0].model_extra["token_ids"]
+            assert "".join(m.text for m in msgs) == http.choices[0].text
+            last = msgs[-1]
+            assert last.finished and not any(m.finished for m in msgs[:-1])
+            assert last.finish_reason == http.choices[0].finish_reason
+            assert last.usage.completion_tokens == http.usage.completion_tokens
+            assert list(last.stats.acceptance_lengths) == http.model_extra["specray"]["acceptance_lengths"]
+        # chat over gRPC == chat over HTTP
+        q = "What is the capital of France?"
+        http = server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=10, temperature=0)
+        req = pb.GenerateRequest(params=pb.SamplingParams(max_tokens=10, temperature=0))
+        req.messages.messages.add(role="user", content=q)
+        assert "".join(m.text for m in stub.Generate(req, metadata=md)) == http.choices[0].message.content
+        # errors map to gRPC codes
+        for metadata, request, code in [
+            ([("authorization", "Bearer nope")], pb.GenerateRequest(prompt="x"), grpc.StatusCode.UNAUTHENTICATED),
+            ([], pb.GenerateRequest(prompt="x"), grpc.StatusCode.UNAUTHENTICATED),
+            (md, pb.GenerateRequest(prompt="x", params=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
+            (md, pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+            (md, pb.GenerateRequest(model="nope", prompt="x"), grpc.StatusCode.NOT_FOUND),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, metadata=metadata))
+            assert e.value.code() == code, (request, e.value.details())
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ListModels(pb.ListModelsRequest())
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_example_client(server):
+    env = dict(os.environ, SPECRAY_API_KEY=API_KEY)
+    out = subprocess.run([sys.executable, str(REPO / "examples/grpc_client.py"), "Hello world", "--port",
+                          str(server.grpc_port), "--max-tokens", "8"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "finish_reason=" in out.stdout and "mean_acceptance_length=" in out.stdout
+
+
+def test_16_concurrent_streams_match_in_process_llm(server):
+    server.wait_idle()
+    n_tokens = 24
+    want = LLM(server.root / MODEL, server.root / "drafter").generate(
+        PROMPTS, SamplingParams(max_tokens=n_tokens, temperature=0))
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True})
+        text, ids, reasons = "", [], []
+        async for chunk in stream:
+            c = chunk.choices[0]
+            text += c.text
+            ids += c.model_extra.get("token_ids", [])
+            reasons.append(c.finish_reason)
+        return text, ids, reasons
+
+    async def run():
+        client = server.client(async_=True)
+        try:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+        finally:
+            await client.close()
+
+    assert len(PROMPTS) == 16
+    got = asyncio.run(run())
+    for (text, ids, reasons), ref in zip(got, want):
+        assert ids == ref.token_ids and text == ref.text
+        assert reasons[-1] == ref.finish_reason and all(r is None for r in reasons[:-1])
+    st = server.wait_idle()
+    assert all(free == cap for free, cap in st["pools"].values())
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+    server.wait_idle()
+    before = server.stats()
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    async def drop_http():
+        reader, writer = await open_stream(server.http_port, body)
+        for _ in range(3):
+            await reader.readline()
+        during = await asyncio.to_thread(server.stats)
+        writer.transport.abort()  # the client vanishes mid-stream
+        return during
+
+    during = asyncio.run(drop_http())
+    assert during["running"] + during["waiting"] >= 1 and during["in_flight"] == 1
+    assert min(free for free, _ in during["pools"].values()) < max(cap for _, cap in during["pools"].values())
+    after = server.wait_idle()
+    assert after["in_flight"] == 0 and after["num_unfinished"] == 0
+    assert all(free == cap for free, cap in after["pools"].values()), after["pools"]
+    assert after["calls"]["abort"] > before["calls"]["abort"]  # aborted, not run to the end
+    assert after["num_steps"] - before["num_steps"] < 150
+
+    # a gRPC client cancelling mid-stream does the same
+    channel, stub = _grpc_stub(server)
+    with channel:
+        call = stub.Generate(pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(
+            max_tokens=200, temperature=0, ignore_eos=True)), metadata=[("authorization", f"Bearer {API_KEY}")])
+        for _, _msg in zip(range(3), call):
+            pass
+        call.cancel()
+    after2 = server.wait_idle()
+    assert after2["in_flight"] == 0 and all(free == cap for free, cap in after2["pools"].values())
+    assert after2["calls"]["abort"] > after["calls"]["abort"]
+    assert after2["num_steps"] - after["num_steps"] < 150
+
+
+def test_over_limit_gets_429_then_recovers(server):
+    server.wait_idle()
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    async def saturate():
+        # LIMIT streams: MAX_NUM_SEQS run, the rest wait in the engine's queue
+        # (their response has not started: it starts with the first token).
+        streams = await asyncio.gather(*(open_stream(server.http_port, body, first_event=False)
+                                         for _ in range(LIMIT)))
+        try:
+            deadline = time.monotonic() + 60
+            while (st := await asyncio.to_thread(server.stats))["in_flight"] < LIMIT:
+                assert time.monotonic() < deadline, st
+                await asyncio.sleep(0.1)
+            assert st["in_flight"] == LIMIT and st["max_in_flight"] == LIMIT
+            results = [await asyncio.to_thread(server.request, "POST", "/v1/completions",
+                                               {"model": MODEL, "prompt": "x", "max_tokens": 2})
+                       for _ in range(3)]
+            chat = await asyncio.to_thread(server.request, "POST", "/v1/chat/completions",
+                                           {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            channel, stub = _grpc_stub(server)
+            with channel:
+                try:
+                    list(stub.Generate(pb.GenerateRequest(prompt="x"),
+                                       metadata=[("authorization", f"Bearer {API_KEY}")]))
+                    grpc_code = grpc.StatusCode.OK
+                except grpc.RpcError as e:
+                    grpc_code = e.code()
+            def openai_call():
+                try:
+                    server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+                except openai.RateLimitError as e:
+                    return e
+            assert isinstance(await asyncio.to_thread(openai_call), openai.RateLimitError)
+            health = await asyncio.to_thread(server.request, "GET", "/health", None, None)
+            models = await asyncio.to_thread(server.request, "GET", "/v1/models")
+            return results + [chat], grpc_code, health, models
+        finally:
+            for _, writer in streams:
+                writer.transport.abort()
+
+    rejected, grpc_code, health, models = asyncio.run(saturate())
+    for status, headers, payload in rejected:
+        assert status == 429 and int(headers["Retry-After"]) >= 0
+        assert payload["error"]["code"] == "rate_limit_exceeded"
+    assert grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert health[0] == 200 and models[0] == 200  # cheap routes still answer under load
+    # every client left (the queued ones before their first byte): all aborted and freed
+    st = server.wait_idle()
+    assert st["in_flight"] == 0 and st["waiting"] == 0 and all(free == cap for free, cap in st["pools"].values())
+    # once the load is gone, requests go through again
+    out = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_metrics_exported(server):
+    """The specray_* metrics reach Ray's Prometheus endpoint on the node."""
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    import urllib.request
+
+    names = ("specray_requests", "specray_time_to_first_token_seconds", "specray_spec_decode_num_draft_tokens",
+             "specray_spec_decode_num_accepted_tokens_per_pos", "specray_num_requests_running")
+    deadline = time.monotonic() + 60
+    while True:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        missing = [n for n in names if n not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, missing
+    assert 'endpoint="completions"' in text and 'status="429"' in text
