@@ -364,16 +364,29 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "temperature": 0, "stream": True,
             "ignore_eos": True}
 
+    async def survivor():
+        client = server.client(async_=True)
+        try:
+            stream = await client.completions.create(model=MODEL, prompt="Paris is", max_tokens=40, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream])
+        finally:
+            await client.close()
+
     async def drop_http():
+        other = asyncio.ensure_future(survivor())  # shares the engine (and its output pump)
         reader, writer = await open_stream(server.http_port, body)
         for _ in range(3):
             await reader.readline()
         during = await asyncio.to_thread(server.stats)
         writer.transport.abort()  # the client vanishes mid-stream
-        return during
+        return during, await other
 
-    during = asyncio.run(drop_http())
-    assert during["running"] + during["waiting"] >= 1 and during["in_flight"] == 1
+    during, survived = asyncio.run(drop_http())
+    alone = server.client().completions.create(model=MODEL, prompt="Paris is", max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert survived == alone.choices[0].text  # the other stream was not disturbed
+    assert during["running"] + during["waiting"] >= 1 and during["in_flight"] >= 1
     assert min(free for free, _ in during["pools"].values()) < max(cap for _, cap in during["pools"].values())
     after = server.wait_idle()
     assert after["in_flight"] == 0 and after["num_unfinished"] == 0
@@ -437,6 +450,7 @@ def test_over_limit_gets_429_then_recovers(server):
             for _, writer in streams:
                 writer.transport.abort()
 
+    before = server.stats()
     rejected, grpc_code, health, models = asyncio.run(saturate())
     for status, headers, payload in rejected:
         assert status == 429 and int(headers["Retry-After"]) >= 0
@@ -446,6 +460,8 @@ def test_over_limit_gets_429_then_recovers(server):
     # every client left (the queued ones before their first byte): all aborted and freed
     st = server.wait_idle()
     assert st["in_flight"] == 0 and st["waiting"] == 0 and all(free == cap for free, cap in st["pools"].values())
+    assert st["calls"]["abort"] - before["calls"]["abort"] == LIMIT
+    assert st["num_steps"] - before["num_steps"] < 150  # nobody ran to its 200 tokens
     # once the load is gone, requests go through again
     out = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens >= 1
@@ -458,7 +474,8 @@ def test_metrics_exported(server):
     import urllib.request
 
     names = ("specray_requests", "specray_time_to_first_token_seconds", "specray_spec_decode_num_draft_tokens",
-             "specray_spec_decode_num_accepted_tokens_per_pos", "specray_num_requests_running")
+             "specray_spec_decode_num_accepted_tokens_per_pos", "specray_num_requests_running",
+             'endpoint="completions"', 'status="429"', 'position="0"')
     deadline = time.monotonic() + 60
     while True:
         text = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -466,5 +483,4 @@ def test_metrics_exported(server):
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert not missing, missing
-    assert 'endpoint="completions"' in text and 'status="429"' in text
+    assert not missing, (missing, [line for line in text.splitlines() if "specray" in line][:40])

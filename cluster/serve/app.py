@@ -154,37 +154,100 @@ async def _internal_error(request: Request, e: Exception):
 
 class _Lease:
     """One admitted generation request: its slot in the replica's bound and
-    its engine stream. ``release`` is idempotent and runs however the
-    request ends (finished, failed, client gone, never started)."""
+    the task that drives its engine stream.
+
+    The engine stream is consumed by a task of its own, never by the
+    request's task: Serve and Starlette cancel the request's task when the
+    client goes (Starlette through an anyio cancel scope, which re-cancels
+    every await inside it), and an engine stream closed inside that
+    cancellation would await its abort RPC cancelled (Ray then cancels the
+    abort task itself). The request's task only reads a queue.
+
+    ``release`` is idempotent and runs however the request ends (finished,
+    failed, client gone before or after its first byte): it aborts the
+    engine request if still running, waits for the driver task, and frees
+    the slot."""
 
     def __init__(self, server: "SpecRayServer", endpoint: str):
         self.server, self.endpoint = server, endpoint
-        self.agen = None
+        self.rid: str | None = None
+        self.task: asyncio.Task | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.status: int | str = 499  # until the request completes: the client went away
         self._released = False
+
+    def start(self, prompt, params, rid: str) -> None:
+        self.rid = rid
+        self.task = asyncio.get_running_loop().create_task(_detached(self._drive(prompt, params, rid)))
+
+    async def _drive(self, prompt, params, rid: str) -> None:
+        try:
+            async for out in self.server.engine.generate(prompt, params, request_id=rid):
+                self.queue.put_nowait(out)
+        except BaseException as e:  # a bad prompt (ValueError), a failed engine, cancellation
+            self.queue.put_nowait(e)
+            if not isinstance(e, Exception):
+                raise
+
+    async def next(self):
+        """The request's next RequestOutput; raises what the engine raised."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def release(self) -> None:
         if self._released:
             return
         self._released = True
         try:
-            if self.agen is not None:
+            if self.task is not None and not self.task.done():
                 try:
-                    await self.agen.aclose()  # aborts the request in the engine if it still runs
-                except RuntimeError:  # still running in another task: its own finally aborts it
-                    pass
+                    await self.server.engine.abort(self.rid)  # the engine ends the stream with "abort"
+                except Exception:
+                    log.warning("abort of %s failed", self.rid, exc_info=True)
+                done, _ = await asyncio.wait([self.task], timeout=5.0)
+                if not done:  # abort raced ahead of the submit: closing the stream aborts again
+                    self.task.cancel()
+                    await asyncio.wait([self.task], timeout=5.0)
         finally:
             self.server._release(self)
 
 
-async def _shielded(coro) -> None:
-    """Run ``coro`` to completion even if the caller is being cancelled."""
-    task = asyncio.ensure_future(coro)
+def _detach_from_request() -> None:
+    """Forget which Serve request this task runs for.
+
+    A Ray async actor keeps the current request's Ray task id in a context
+    variable that every task created under it inherits, and Ray files each
+    actor call made under that id as a child of the request: when Serve
+    cancels the request (the client left), Ray cancels those calls too
+    (``ray.cancel`` is recursive), even ones issued from other asyncio
+    tasks. Engine work that must outlive the request (driving its stream,
+    aborting it, the AsyncEngine's shared output pump, which the first
+    stream starts) runs detached."""
     try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
-        raise
+        import ray._raylet
+
+        ray._raylet.async_task_id.set(None)
+    except (ImportError, AttributeError):  # not inside a Ray worker / another Ray version
+        pass
+
+
+async def _detached(coro):
+    _detach_from_request()
+    return await coro
+
+
+_background: set = set()
+
+
+async def _shielded(coro) -> None:
+    """Run ``coro`` detached in a task of its own: a cancelled caller stops
+    waiting, the work still completes."""
+    task = asyncio.ensure_future(_detached(coro))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    await asyncio.shield(task)
 
 
 class _EngineStream(StreamingResponse):
@@ -267,7 +330,7 @@ class SpecRayServer:
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll_engine_load())
+            self._poller = asyncio.get_running_loop().create_task(_detached(self._poll_engine_load()))
 
     async def _poll_engine_load(self) -> None:
         """Running / waiting gauges, from one stats call a second (never per
@@ -411,10 +474,9 @@ class SpecRayServer:
                 params = req.sampling_params(req.max_new_tokens())
                 rid = P.new_id("cmpl")
             lease = self._admit(endpoint)
-            agen = self.engine.generate(prompt, params, request_id=rid)
-            lease.agen = agen
+            lease.start(prompt, params, rid)
             try:
-                first = await agen.__anext__()
+                first = await lease.next()
             except ValueError as e:  # the engine rejected the prompt
                 raise P.bad_request(str(e), "messages" if kind == "chat" else "prompt") from None
             except RuntimeError as e:
@@ -436,12 +498,12 @@ class SpecRayServer:
         tracker = RequestTracker(self.metrics, start)
         if req.stream:
             writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids)
-            return _EngineStream(self._sse(writer, agen, first, tracker, lease), lease)
+            return _EngineStream(self._sse(writer, first, tracker, lease), lease)
         try:
             out = first
             tracker.update(out, time.monotonic())
             while not out.finished:
-                out = await agen.__anext__()
+                out = await lease.next()
                 tracker.update(out, time.monotonic())
             reason = P.finish_reason(out)
             if reason is None:
@@ -459,7 +521,7 @@ class SpecRayServer:
         finally:
             await _shielded(lease.release())
 
-    async def _sse(self, writer: P.ChunkWriter, agen, first, tracker, lease: _Lease):
+    async def _sse(self, writer: P.ChunkWriter, first, tracker, lease: _Lease):
         for chunk in writer.start():
             yield chunk
         out = first
@@ -471,7 +533,7 @@ class SpecRayServer:
                 if out.finished:
                     lease.status = 200 if P.finish_reason(out) else 500
                     return
-                out = await agen.__anext__()
+                out = await lease.next()
         except RuntimeError as e:  # the engine failed under us
             lease.status = 500
             yield P.sse(P.APIError(500, str(e), "server_error").body())
@@ -546,10 +608,10 @@ class SpecRayServer:
         rid = request.request_id or P.new_id("grpc")
         tracker = RequestTracker(self.metrics, start)
         try:
-            agen = self.engine.generate(prompt, params, request_id=rid)
-            lease.agen = agen
+            lease.start(prompt, params, rid)
             try:
-                async for out in agen:
+                while True:
+                    out = await lease.next()
                     tracker.update(out, time.monotonic())
                     msg = pb.GenerateResponse(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
                                               finished=out.finished)
@@ -564,6 +626,8 @@ class SpecRayServer:
                             **{k: v for k, v in st.items() if k != "ttft_s"}))
                         msg.ttft_s = st["ttft_s"] or 0.0
                     yield msg
+                    if out.finished:
+                        break
             except ValueError as e:
                 raise P.bad_request(str(e), "prompt") from None
             except RuntimeError as e:
