@@ -474,10 +474,21 @@ class Progress:
     steps: int = 0
     accepted: int = 0
     start: float = field(default_factory=time.perf_counter)
+    first_result: float | None = None  # replicas up and the first batch back
+    first_tokens: int = 0  # output tokens of that first batch
+    end: float | None = None
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Output tokens/s after the first batch came back (replica start-up
+        and model loading excluded)."""
+        if self.first_result is None or self.end is None or self.end <= self.first_result:
+            return 0.0
+        return (self.tokens - self.first_tokens) / (self.end - self.first_result)
 
     @property
     def elapsed(self) -> float:
-        return max(time.perf_counter() - self.start, 1e-9)
+        return max((self.end or time.perf_counter()) - self.start, 1e-9)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -531,6 +542,8 @@ def _engine_kwargs(args, target: str, drafter: str | None) -> dict:
         kw["drafter_placement"] = args.drafter_placement
     elif args.tp != 1:
         raise BatchError("--tp > 1 needs --backend ray (or auto)")
+    elif str(args.device).startswith("cuda"):
+        kw["device"] = "cuda"  # an in-process replica sees only the GPU Ray gave it
     return kw
 
 
@@ -627,7 +640,8 @@ def run(args) -> dict:
         errlog.append(new_input_errors)
         pending = [t for t in tasks if t["id_json"] not in done and t["line"] not in engine_done]
         resumed = len(tasks) - len(pending)
-        unknown = len(done - set(order))
+        ok_before = len(done & order.keys())
+        unknown = len(done) - ok_before
         if sink.log.discarded_bytes or errlog.discarded_bytes:
             print(f"specray batch: discarded a partial last line ({sink.log.discarded_bytes} B in "
                   f"{sink.log_path.name}, {errlog.discarded_bytes} B in {errors_path.name})", file=sys.stderr)
@@ -639,7 +653,8 @@ def run(args) -> dict:
         failure = None
         if pending:
             try:
-                _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before=resumed, total=len(tasks))
+                _execute(args, llm_kwargs, pending, sink, errlog, prog, done, done_before=resumed,
+                         total=len(tasks))
             except KeyboardInterrupt:
                 status, failure = "interrupted", "interrupted"
             except Exception as e:  # a replica died, the cluster went away, ...
@@ -658,16 +673,18 @@ def run(args) -> dict:
         "output": str(output),
         "errors_file": str(errors_path),
         "rows_input": n_records,
-        "rows_ok": len((done | set()) & set(order)) + prog.rows,
+        "rows_ok": ok_before + prog.rows,
         "rows_generated": prog.rows,
         "rows_resumed": resumed,
         "errors": n_errors,
         "errors_new": len(new_input_errors) + prog.errors,
         "wall_s": round(time.perf_counter() - t_start, 3),
         "generate_s": round(pipeline_s, 3),
+        "startup_s": round(prog.first_result - prog.start, 3) if prog.first_result else None,
         "output_tokens": prog.tokens,
         "output_tokens_per_s": round(prog.tokens / pipeline_s, 2) if pipeline_s else 0.0,
         "rows_per_s": round(prog.rows / pipeline_s, 3) if pipeline_s else 0.0,
+        "steady_output_tokens_per_s": round(prog.steady_tokens_per_s, 2),
         "mean_acceptance_length": round(prog.mean_acceptance_length, 4),
         "replicas": args.replicas,
         "tp": args.tp,
@@ -685,7 +702,10 @@ def run(args) -> dict:
     return summary
 
 
-def _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before: int, total: int) -> None:
+def _execute(args, llm_kwargs, pending, sink, errlog, prog, done: set, done_before: int, total: int) -> None:
+    """Run the pending rows through the replica pool; append each finished
+    batch as it arrives. ``done`` (id keys in the output) guards against a
+    batch delivered twice."""
     import ray
     from ray.data import ActorPoolStrategy, DataContext
     from tqdm import tqdm
@@ -717,9 +737,15 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before: int, to
         prog.start = time.perf_counter()
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
+                first = prog.first_result is None
+                if first:
+                    prog.first_result = time.perf_counter()
                 ok, bad = [], []
                 for r in batch.to_pylist():
                     rid = json.loads(r["id_json"])
+                    if r["id_json"] in done:
+                        continue
+                    done.add(r["id_json"])
                     if r["error"] is not None:
                         bad.append({"line": r["line"], "id": rid, "stage": "engine", "reason": r["error"]})
                         continue
@@ -729,6 +755,8 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before: int, to
                     prog.tokens += r["completion_tokens"]
                     prog.steps += r["decode_steps"]
                     prog.accepted += r["accepted_sum"]
+                if first:
+                    prog.first_tokens = prog.tokens
                 sink.append(ok)  # rows first: they are the record of what is done
                 errlog.append(bad)
                 prog.rows += len(ok)
@@ -737,6 +765,7 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done_before: int, to
                 bar.set_postfix_str(
                     f"{prog.tokens / prog.elapsed:.1f} tok/s, acc {prog.mean_acceptance_length:.2f}, "
                     f"errors {prog.errors}", refresh=False)
+            prog.end = time.perf_counter()
         finally:
             bar.close()
     finally:

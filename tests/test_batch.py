@@ -43,7 +43,10 @@ def _free_port() -> int:
 
 def _env() -> dict:
     env = dict(os.environ)
+    # RAY_AUTH_MODE: a ~/.ray/auth_token left by any earlier `ray start` turns
+    # token auth on by default; this private loopback head runs without it.
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
+               RAY_AUTH_MODE="disabled",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     return env
@@ -59,50 +62,69 @@ def models(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def head():
+class Head:
     """A Ray head on loopback with the job server, in its own process group
-    and temp dir (so no other Ray on this machine finds or is touched by it).
-    Teardown kills exactly that process group."""
-    ports = {k: _free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
-                                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                       "runtime-env-agent-port", "metrics-export-port")}
-    temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-           "--object-store-memory=300000000", *(f"--{k}={v}" for k, v in ports.items())]
-    log = open(Path(temp_dir) / "head.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    info = {"gcs": f"127.0.0.1:{ports['port']}", "dashboard": f"http://127.0.0.1:{ports['dashboard-port']}",
-            "temp_dir": temp_dir}
-    try:
-        from ray.job_submission import JobSubmissionClient
+    and temp dir (so no other Ray on this machine finds it or is touched by
+    it). It starts in the background; ``wait()`` blocks until it serves."""
 
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, Path(temp_dir, "head.log").read_text()[-3000:]
+    def __init__(self):
+        ports = {k: _free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
+                                           "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                           "runtime-env-agent-port", "metrics-export-port")}
+        self.temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+        self.gcs = f"127.0.0.1:{ports['port']}"
+        self.dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
+        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+               "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", "--num-cpus=4",
+               "--disable-usage-stats", f"--temp-dir={self.temp_dir}", "--object-store-memory=300000000",
+               *(f"--{k}={v}" for k, v in ports.items())]
+        self.log = open(Path(self.temp_dir) / "head.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=_env(),
+                                     start_new_session=True)
+        self.started = time.monotonic()
+        self.up = False
+
+    def wait(self, timeout: float = 120) -> "Head":
+        import urllib.request
+
+        # The job server answers once the head is up (no proxies: loopback).
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while not self.up:
+            assert self.proc.poll() is None, Path(self.temp_dir, "head.log").read_text()[-3000:]
             try:
-                JobSubmissionClient(info["dashboard"]).list_jobs()
-                break
+                opener.open(self.dashboard + "/api/jobs/", timeout=2).read()
+                self.up = True
             except Exception:
-                if time.monotonic() > deadline:
+                if time.monotonic() - self.started > timeout:
                     raise
-                time.sleep(1)
-        yield info
-    finally:
-        pgid = os.getpgid(proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
+                time.sleep(0.5)
+        return self
+
+    def stop(self) -> None:
+        """Kill exactly the process group this head was started in (its
+        pgid is the `ray start` pid): gcs, raylet, dashboard, workers."""
+        pgid = self.proc.pid
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # stragglers of our own group only
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                pass
+            os.killpg(pgid, signal.SIGKILL)  # `ray start --block` and gcs ignore SIGTERM
         except ProcessLookupError:
             pass
-        proc.wait()
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def head():
+    h = Head()
+    try:
+        yield h
+    finally:
+        h.stop()
 
 
 def eval_rows():
@@ -159,7 +181,7 @@ def job240(models, tmp_path_factory):
 def batch_cmd(models, inp, out, head, *extra) -> list[str]:
     return [sys.executable, "-m", "specray.cli", "batch", "--input", str(inp), "--output", str(out),
             "--target", str(models / "t"), "--drafter", str(models / "d"), "--max-tokens", str(MAX_TOKENS),
-            "--temperature", "0", "--engine-arg", "num_kv_blocks=2000", "--address", head["gcs"], *extra]
+            "--temperature", "0", "--engine-arg", "num_kv_blocks=2000", "--address", head.wait().gcs, *extra]
 
 
 def run_batch(cmd, timeout=240) -> subprocess.CompletedProcess:
@@ -229,70 +251,63 @@ def test_parquet_finalize_merges_once_per_id(tmp_path):
 
 
 # ------------------------------------------------------------ jobs on Ray
-def test_jsonl_job_matches_llm_generate(models, head, job240, tmp_path):
+def test_jsonl_job_killed_and_resumed_matches_llm_generate(models, head, job240, tmp_path):
+    """240 rows over 2 replicas: SIGKILL the driver once some rows are out,
+    rerun the same command, and get every id exactly once with the texts
+    LLM.generate gives."""
     inp, rows, want = job240
     out = tmp_path / "out.jsonl"
+    cmd = batch_cmd(models, inp, out, head, "--replicas", "2", "--batch-size", "8")
+    err = open(tmp_path / "killed.stderr", "w")
     t = time.perf_counter()
-    r = run_batch(batch_cmd(models, inp, out, head, "--replicas", "2", "--batch-size", "16"))
-    wall = time.perf_counter() - t
-    out_rows = read_jsonl(out)
-    assert len(out_rows) == len(rows) >= 200
-    assert_exactly_once(out_rows, rows, want)
-    by_id = {r["id"]: r for r in out_rows}
-    assert by_id["eval-chat-01-2"]["completion_tokens"] <= SHORT_MAX_TOKENS
-    assert all(r["completion_tokens"] >= 1 and r["prompt_tokens"] > 0 for r in out_rows)
-    assert all(r["mean_acceptance_length"] >= 1.0 for r in out_rows)
-    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
-    assert json.loads(r.stdout) == summary
-    assert summary["status"] == "complete" and summary["rows_generated"] == len(rows) and summary["errors"] == 0
-    assert summary["output_tokens"] == sum(r["completion_tokens"] for r in out_rows)
-    assert summary["output_tokens_per_s"] > 0 and summary["mean_acceptance_length"] >= 1.0
-    assert "row" in r.stderr and "tok/s" in r.stderr and "acc" in r.stderr  # the progress bar
-    print(f"\n240-row job (2 replicas): {wall:.1f} s end to end; summary {summary}")
-    # Nothing left to do: a rerun writes nothing and starts no Ray work.
-    again = run_batch(batch_cmd(models, inp, out, head))
-    assert read_jsonl(out) == out_rows
-    assert json.loads(again.stdout)["rows_resumed"] == len(rows)
-
-
-def test_sigkill_then_resume_gives_each_id_once(models, head, job240, tmp_path):
-    inp, rows, want = job240
-    out = tmp_path / "out.jsonl"
-    cmd = batch_cmd(models, inp, out, head, "--replicas", "1", "--batch-size", "8")
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
         n = 0
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.perf_counter() - t < 180 and proc.poll() is None:
             n = out.read_bytes().count(b"\n") if out.exists() else 0
             if n >= 24:
                 break
             time.sleep(0.05)
-        assert proc.poll() is None, f"finished before the kill ({n} rows): {proc.stderr.read()[-3000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        assert proc.poll() is None, f"finished before the kill ({n} rows)"
+        os.kill(proc.pid, signal.SIGKILL)  # the driver: Ray then reaps its replica actors
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        proc.stderr.close()
-    partial = read_jsonl(out)
+        proc.wait()
+        err.close()
+    partial = read_jsonl(out)  # whole lines only
     assert 24 <= len(partial) < len(rows), len(partial)
     assert len({r["id"] for r in partial}) == len(partial)
     # What a machine crash mid-write could leave: a torn last line.
     with open(out, "ab") as f:
         f.write(b'{"id": "eval-math-01-0", "text": "tor')
     r = run_batch(cmd)
-    summary = json.loads(r.stdout)
+    wall = time.perf_counter() - t
     assert "discarded a partial last line" in r.stderr
-    assert summary["rows_resumed"] == len(partial) and summary["rows_generated"] == len(rows) - len(partial)
     final = read_jsonl(out)
     assert final[: len(partial)] == partial  # appended, never rewritten
+    assert len(final) == len(rows) >= 200
     assert_exactly_once(final, rows, want)
+    by_id = {r["id"]: r for r in final}
+    assert by_id["eval-chat-01-2"]["completion_tokens"] <= SHORT_MAX_TOKENS  # per-row max_tokens
+    assert all(r["completion_tokens"] >= 1 and r["prompt_tokens"] > 0 for r in final)
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in final)
+
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert json.loads(r.stdout) == summary
+    assert summary["status"] == "complete" and summary["errors"] == 0 and summary["rows_ok"] == len(rows)
+    assert summary["rows_resumed"] == len(partial) and summary["rows_generated"] == len(rows) - len(partial)
+    resumed_ids = {x["id"] for x in partial}
+    assert summary["output_tokens"] == sum(x["completion_tokens"] for x in final if x["id"] not in resumed_ids)
+    assert summary["output_tokens_per_s"] > 0 and summary["mean_acceptance_length"] >= 1.0
+    assert "row" in r.stderr and "tok/s" in r.stderr and "acc" in r.stderr  # the progress bar
+    print(f"\nkilled at {len(partial)} rows; both runs {wall:.1f} s; resumed run: {summary}")
 
 
 def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
+    """Also the Ray-engine replica (--tp 2: a TP group + drafter actor per
+    replica), where the refusal of a too-long prompt comes back from
+    generate."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     msg = [{"role": "user", "content": "Why is the sky blue?"}]
     lines = [
@@ -311,8 +326,12 @@ def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
         json.dumps({"id": 7, "prompt": "Hello world", "max_tokens": 4}),    # 13
     ]
     inp.write_text("\n".join(lines) + "\n")
-    r = run_batch(batch_cmd(models, inp, out, head, "--no-progress"))
-    assert sorted(map(str, (x["id"] for x in read_jsonl(out)))) == ["7", "dup", "ok-1"]
+    r = run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--tp", "2"))
+    got = {x["id"]: x["text"] for x in read_jsonl(out)}
+    assert sorted(map(str, got)) == ["7", "dup", "ok-1"]
+    want = expected_texts(models, [{"id": "ok-1", "messages": msg}, {"id": "dup", "prompt": "The capital of France"},
+                                   {"id": 7, "prompt": "Hello world", "max_tokens": 4}])
+    assert got == want
     errors = {e["line"]: e for e in read_jsonl(tmp_path / "out.jsonl.errors.jsonl")}
     assert sorted(errors) == [2, 3, 4, 6, 7, 8, 9, 10, 11]
     assert "invalid JSON" in errors[2]["reason"]
@@ -324,11 +343,12 @@ def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
     assert "JSON object" in errors[10]["reason"] and "messages" in errors[11]["reason"]
     summary = json.loads(r.stdout)
     assert summary["errors"] == 9 and summary["rows_ok"] == 3 and summary["status"] == "complete"
+    assert summary["backend"] == "ray" and summary["tp"] == 2
     # A rerun neither repeats rows nor errors.
     before = (out.read_bytes(), (tmp_path / "out.jsonl.errors.jsonl").read_bytes())
-    r2 = run_batch(batch_cmd(models, inp, out, head, "--no-progress"))
+    r2 = run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--tp", "2"))
     assert (out.read_bytes(), (tmp_path / "out.jsonl.errors.jsonl").read_bytes()) == before
-    assert json.loads(r2.stdout)["errors_new"] == 0
+    assert json.loads(r2.stdout)["errors_new"] == 0 and json.loads(r2.stdout)["rows_resumed"] == 4
 
 
 def test_parquet_in_parquet_out(models, head, job240, tmp_path):
@@ -340,7 +360,7 @@ def test_parquet_in_parquet_out(models, head, job240, tmp_path):
     ] + [{"id": "too-long", "prompt": "Hello world, " * 400, "messages": None, "seed": None, "max_tokens": None}])
     inp, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
     pq.write_table(table, inp)
-    r = run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--batch-size", "4"))
+    r = run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--batch-size", "6"))
     got = pq.read_table(out).to_pylist()
     assert [g["id"] for g in got] == [x["id"] for x in sub]  # input order
     assert all(g["text"] == want[g["id"]] for g in got)
@@ -364,7 +384,7 @@ def test_ray_job_submit_end_to_end(models, head, job240, tmp_path):
                    cwd=work, env=env, check=True, capture_output=True)
     assert (work / "build/py_modules/specray/actors/target.py").is_file()
     out = tmp_path / "out.jsonl"
-    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head["dashboard"],
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.wait().dashboard,
            "--working-dir", ".", "--runtime-env", "deploy/ray/runtime_env.yaml", "--",
            "python", "deploy/ray/batch_job.py", "--input", "in.jsonl", "--output", str(out),
            "--target", str(models / "t"), "--drafter", str(models / "d"), "--max-tokens", str(MAX_TOKENS),
