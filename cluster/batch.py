@@ -21,7 +21,12 @@ coordinates (it requests no GPU) and the engine starts its own target TP group
 and drafter actor in a placement group. Every call hands the engine a whole
 batch of ``--batch-size`` rows through one ``llm.generate`` so continuous
 batching keeps the engine full; the driver consumes finished batches
-(``iter_batches``, completion order) and writes them out immediately.
+(``iter_batches``, completion order) and writes them out immediately. A replica
+runs one batch at a time with the next one already queued on it
+(``max_tasks_in_flight_per_actor=2``); a batch returns when its slowest row
+finishes, so ``--batch-size`` trades engine occupancy (large) against the tail
+of each batch and the granularity of progress and resume (small). The default
+is up to 64 rows, at least two batches per replica.
 
 Why Ray Data rather than a hand-written scheduler: the pool gives us actor
 start-up with resource requests (CPUs / GPUs per replica), a work queue that
@@ -58,6 +63,12 @@ leaves either the old complete file or the new one, and the next run merges
 again, keeping one row per id.
 
 Every line of the input ends in exactly one of the output or the errors file.
+JSONL output rows appear in completion order (each carries its ``id``);
+Parquet output is sorted into input order by the merge.
+
+The driver holds the validated rows in memory (about the size of the input)
+and the set of finished ids: fine for inputs of millions of short rows; shard
+larger inputs into several files / jobs.
 """
 
 from __future__ import annotations
@@ -200,7 +211,7 @@ class JsonlLog:
         self.rows: list[dict] = []
         self.discarded_bytes = 0
 
-    def open(self, lock: bool = True) -> "JsonlLog":
+    def open(self, lock: bool = True) -> JsonlLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         if lock:
@@ -352,7 +363,7 @@ def _result_schema():
     ])
 
 
-_RAY_PROMPT_ERROR = re.compile(r"^prompt (\d+): (.*)$", re.S)
+_RAY_PROMPT_ERROR = re.compile(r"^prompt (\d+): (.*)$", re.DOTALL)
 
 
 class Replica:
@@ -424,7 +435,7 @@ class Replica:
                     out.append({**base, "error": str(e)})
                     continue
                 # Unattributed: isolate by running rows one at a time.
-                for item in list(todo):
+                for item in todo:
                     out.extend(self.run_one(item))
                 break
             for (base, _, _), o in zip(todo, outputs):
@@ -547,16 +558,21 @@ def _engine_kwargs(args, target: str, drafter: str | None) -> dict:
     return kw
 
 
-def _check_models(kw: dict) -> None:
-    """Cheap up-front check of the checkpoints when the driver can see them
-    (on a cluster they may live only on the workers' disks)."""
+def _check_models(kw: dict, strict: bool) -> None:
+    """Cheap up-front check of the checkpoints (config.json only). On a
+    cluster they may live only on the workers' disks: unless ``strict``
+    (a private local cluster), directories the driver cannot see are left to
+    the replicas."""
     from specray.config import DrafterSpec, EngineConfig, TargetSpec
 
-    EngineConfig(**{k: v for k, v in kw.items() if k not in ("backend", "tensor_parallel_size", "drafter_placement")})
-    if not Path(kw["target"]).is_dir():
+    try:
+        EngineConfig(**{k: v for k, v in kw.items() if k not in ("backend", "tensor_parallel_size", "drafter_placement")})
+    except TypeError as e:
+        raise BatchError(f"bad engine setting: {e}") from None
+    if not strict and not Path(kw["target"]).is_dir():
         return
     t = TargetSpec.from_dir(kw["target"])
-    if kw.get("drafter") and Path(kw["drafter"]).is_dir():
+    if kw.get("drafter") and (strict or Path(kw["drafter"]).is_dir()):
         DrafterSpec.from_dir(kw["drafter"]).check_fits(t)
 
 
@@ -580,6 +596,9 @@ def run(args) -> dict:
     if out_fmt is not None and out_fmt != fmt:
         raise BatchError(f"the output is written in the input's format ({fmt}); {output} says {out_fmt}")
     errors_path, summary_path = default_paths(output, args.errors, args.summary)
+    paths = [p.resolve() for p in (inp, output, errors_path, summary_path)]
+    if len(set(paths)) < 4:
+        raise BatchError("--input, --output, --errors and --summary must be four different files")
     if args.replicas < 1 or args.tp < 1:
         raise BatchError("--replicas and --tp must be at least 1")
 
@@ -587,7 +606,7 @@ def run(args) -> dict:
 
     target, drafter = resolve_models(args)
     llm_kwargs = _engine_kwargs(args, target, drafter)
-    _check_models(llm_kwargs)
+    _check_models(llm_kwargs, strict=not (args.address or os.environ.get("RAY_ADDRESS")))
 
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
@@ -647,6 +666,9 @@ def run(args) -> dict:
                   f"{sink.log_path.name}, {errlog.discarded_bytes} B in {errors_path.name})", file=sys.stderr)
         if resumed:
             print(f"specray batch: resuming: {resumed} of {len(tasks)} rows already done", file=sys.stderr)
+        if unknown:
+            print(f"specray batch: warning: {sink.log_path} holds {unknown} ids that are not in {inp}",
+                  file=sys.stderr)
 
         prog = Progress()
         status = "complete"
@@ -658,7 +680,8 @@ def run(args) -> dict:
             except KeyboardInterrupt:
                 status, failure = "interrupted", "interrupted"
             except Exception as e:  # a replica died, the cluster went away, ...
-                status, failure = "failed", f"{type(e).__name__}: {e}"
+                lines = [ln for ln in str(e).splitlines() if ln.strip()]
+                status, failure = "failed", f"{type(e).__name__}: {lines[-1] if lines else ''}"[:1000]
         if status == "complete":
             sink.finalize(order)
         n_errors = len(errlog.rows) + len(new_input_errors) + prog.errors

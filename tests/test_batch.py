@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from factories import add_tokenizer, make_drafter, make_target
 
 pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from specray.batch import JsonlLog, BatchError, Sink, id_key, validate_record  # noqa: E402
+from specray.batch import BatchError, JsonlLog, Sink, id_key, validate_record
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = REPO / "data" / "prompts" / "eval.jsonl"
@@ -84,7 +83,7 @@ class Head:
         self.started = time.monotonic()
         self.up = False
 
-    def wait(self, timeout: float = 120) -> "Head":
+    def wait(self, timeout: float = 120) -> Head:
         import urllib.request
 
         # The job server answers once the head is up (no proxies: loopback).
@@ -239,7 +238,7 @@ def test_parquet_finalize_merges_once_per_id(tmp_path):
     """A kill between renaming the merged Parquet into place and deleting
     the staging file leaves both; the next merge keeps one row per id."""
     out = tmp_path / "o.parquet"
-    row = lambda i: {"id": f"r{i}", "text": f"t{i}", "prompt_tokens": 3, "completion_tokens": 2,  # noqa: E731
+    row = lambda i: {"id": f"r{i}", "text": f"t{i}", "prompt_tokens": 3, "completion_tokens": 2,
                      "finish_reason": "length", "mean_acceptance_length": 1.0}
     pq.write_table(pa.Table.from_pylist([row(0), row(1)]), out)
     (tmp_path / "o.parquet.staging.jsonl").write_text("".join(json.dumps(row(i)) + "\n" for i in (1, 2)) + '{"id"')
