@@ -16,12 +16,17 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from factories import add_tokenizer, make_drafter, make_target
+# Ray reads this when it is imported: set it before (see also the fixture).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+from factories import add_tokenizer, make_drafter, make_target  # noqa: E402
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -118,8 +123,12 @@ async def open_stream(port: int, body: dict, key: str = API_KEY, path: str = "/v
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    from specray.serve.loopback import prepare_local_ray
+
+    # Loopback only: Ray (even if another test module imported it before the
+    # variable was set), the engine's gloo group, and Serve's gRPC proxy
+    # (which Serve would bind to [::]); the actors inherit this environment.
+    prepare_local_ray("127.0.0.1")
     root = tmp_path_factory.mktemp("serve")
     hf = make_target(root / MODEL, seed=2)
     add_tokenizer(root / MODEL, hf.config.vocab_size)
@@ -171,6 +180,34 @@ def test_yaml_deploys_the_app(server):
     status = serve.status().applications[APP]
     assert status.status == "RUNNING"
     assert server.request("GET", "/health", key=None)[:1] == (200,)  # /health needs no key
+
+
+def test_everything_listens_on_loopback(server):
+    """Every TCP socket listening in this test's Ray cluster (GCS, raylet,
+    workers, Serve's HTTP and gRPC proxies, the engine actors) is on
+    loopback."""
+    psutil = pytest.importorskip("psutil")
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    names = {p.name() for p in procs if p.is_running()}
+    assert any("ServeReplica" in n or "ray::" in n for n in names) or len(procs) > 5, names
+    listening = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        listening += [(p.pid, p.name(), c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    ports = {port for *_, port in listening}
+    assert server.http_port in ports and server.grpc_port in ports
+    outside = [x for x in listening if x[2] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    # Known, outside specray.serve: torch's TCPStore (the engine's gloo
+    # rendezvous, served by target rank 0) listens on every interface.
+    engine = [x for x in outside if x[1].startswith(("ray::TargetRank", "ray::DrafterActor"))]
+    if engine:
+        warnings.warn(f"engine actors listen outside loopback: {engine}")
+    assert not [x for x in outside if x not in engine], outside
 
 
 def test_models_and_auth(server):

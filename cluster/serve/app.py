@@ -283,8 +283,10 @@ class SpecRayServer:
         from specray.config import TargetSpec
         from specray.detokenizer import load_tokenizer
         from specray.llm import resolve_max_model_len
+        from specray.serve.loopback import bind_replica_server_to_node_ip
         from specray.serve.metrics import ServeMetrics
 
+        bind_replica_server_to_node_ip()
         s = ServeArgs.model_validate(settings)
         if s.api_key is None:
             s = s.model_copy(update={"api_key": os.environ.get("SPECRAY_API_KEY") or None})

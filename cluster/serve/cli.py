@@ -46,10 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _start_ray():
-    """Connect to RAY_ADDRESS, else start a local Ray bound to loopback.
-    Returns True when this process started Ray (and so should stop it)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+def _start_ray(host: str):
+    """Connect to RAY_ADDRESS, else start a local Ray bound to loopback with
+    Serve's gRPC proxy bound to ``host``. Returns True when this process
+    started Ray (and so should stop it)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
@@ -59,6 +59,9 @@ def _start_ray():
     if address:
         ray.init(address=address, namespace="serve", logging_level="WARNING")
         return False
+    from specray.serve.loopback import prepare_local_ray
+
+    prepare_local_ray(host)
     # address="local": a fresh cluster even if /tmp/ray/ray_current_cluster
     # names one that `ray start` left behind.
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specray serve: error: {e}", file=sys.stderr)
         return 2
 
-    started_ray = _start_ray()
+    started_ray = _start_ray(args.host)
     import ray
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE

@@ -1,0 +1,73 @@
+"""`specray serve` as a user runs it: it starts its own loopback Ray, serves,
+sends the sample chat request to itself, prints the answer and acceptance
+stats, keeps serving, and shuts down cleanly on Ctrl-C (SIGINT)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from factories import add_tokenizer, make_drafter, make_target
+
+pytest.importorskip("ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
+    hf = make_target(tmp_path / "t", seed=2)
+    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
+    make_drafter(tmp_path / "d", hf.config, seed=12, block_size=8)
+    port, grpc_port = _free_port(), _free_port()
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               SPECRAY_API_KEY="cli-key")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "specray.cli", "serve", "--target", str(tmp_path / "t"), "--drafter",
+           str(tmp_path / "d"), "--port", str(port), "--grpc-port", str(grpc_port), "--num-kv-blocks", "64",
+           "--kv-block-size", "8", "--max-model-len", "256", "--max-num-seqs", "4", "--max-queued", "4",
+           "--model-name", "tiny", "--sample-request", "--sample-max-tokens", "12"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "press Ctrl-C" in line:
+                break
+        out = "".join(lines)
+        assert "press Ctrl-C" in out, out[-4000:]
+        assert f"http://127.0.0.1:{port}/v1" in out
+        assert "sample A:" in out and "mean acceptance length" in out
+        # still serving, with the key from SPECRAY_API_KEY
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
+                                     headers={"Authorization": "Bearer cli-key"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == "tiny"
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, rest[-4000:]
+        assert "shutting down" in rest
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    with pytest.raises(OSError):  # the server is gone
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
