@@ -184,8 +184,8 @@ def validate_record(rec, defaults: dict) -> tuple[dict | None, str | None]:
             continue
         if k in INT_FIELDS and isinstance(v, float) and v.is_integer():
             v = int(v)  # Parquet written by pandas stores nullable ints as floats
-        if k == "stop" and not isinstance(v, (str, list)):
-            v = list(v) if hasattr(v, "__iter__") else v
+        if k == "stop" and isinstance(v, tuple):
+            v = list(v)
         params[k] = v
     try:
         SamplingParams(**params)
@@ -604,7 +604,11 @@ def run(args) -> dict:
 
     from specray.cli import resolve_models
 
-    target, drafter = resolve_models(args)
+    try:
+        target, drafter = resolve_models(args)
+    except ImportError as e:
+        raise BatchError(f"the embedded default model is not available ({e}): pass --target DIR "
+                         "(and --drafter DIR or --no-drafter)") from None
     llm_kwargs = _engine_kwargs(args, target, drafter)
     _check_models(llm_kwargs, strict=not (args.address or os.environ.get("RAY_ADDRESS")))
 
@@ -703,7 +707,7 @@ def run(args) -> dict:
         "errors_new": len(new_input_errors) + prog.errors,
         "wall_s": round(time.perf_counter() - t_start, 3),
         "generate_s": round(pipeline_s, 3),
-        "startup_s": round(prog.first_result - prog.start, 3) if prog.first_result else None,
+        "first_batch_s": round(prog.first_result - prog.start, 3) if prog.first_result else None,
         "output_tokens": prog.tokens,
         "output_tokens_per_s": round(prog.tokens / pipeline_s, 2) if pipeline_s else 0.0,
         "rows_per_s": round(prog.rows / pipeline_s, 3) if pipeline_s else 0.0,
@@ -741,7 +745,7 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done: set, done_befo
         gpu = llm_kwargs["device"] != "cpu"
         inprocess = llm_kwargs["backend"] == "inprocess"
         cpus = args.cpus_per_replica if args.cpus_per_replica is not None else (1.0 if inprocess else 0.0)
-        gpus = 1.0 if (gpu and inprocess) else 0.0
+        gpus = (args.gpus_per_replica or 1.0) if (gpu and inprocess) else 0.0
         batch_size = args.batch_size or max(1, min(64, math.ceil(len(pending) / (2 * args.replicas))))
         args.batch_size = batch_size
         threads = max(1, int(cpus)) if (inprocess and not gpu) else None
@@ -810,7 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     m.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
     m.add_argument("--no-drafter", action="store_true", help="decode autoregressively")
-    m.add_argument("--device", default="cpu", help="cpu | cuda (each in-process replica takes one GPU)")
+    m.add_argument("--device", default="cpu", help="cpu | cuda (an in-process replica takes --gpus-per-replica)")
     m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--max-model-len", type=int)
     m.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
@@ -824,6 +828,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, help="rows per generate call (default: up to 64)")
     s.add_argument("--cpus-per-replica", type=float,
                    help="CPUs each replica actor requests (default 1 in-process, 0 with the Ray engine)")
+    s.add_argument("--gpus-per-replica", type=float,
+                   help="GPU share of an in-process replica on --device cuda (default 1; e.g. 0.5 puts two "
+                   "replicas of a small model on one GPU). Ray-engine replicas request none: their "
+                   "target ranks and drafter take one GPU each")
     s.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else a private local cluster)")
     s.add_argument("--num-cpus", type=int, help="CPUs of a private local cluster")
     g = p.add_argument_group("sampling defaults (rows may override)")
@@ -857,4 +865,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main so that Ray pickles specray.batch.Replica
+    # by reference, not a copy of this __main__.
+    from specray.batch import main as _main
+
+    sys.exit(_main())
