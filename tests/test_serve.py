@@ -165,6 +165,20 @@ def server(tmp_path_factory):
         ray.shutdown()
 
 
+def test_checked_in_stubs_match_the_proto(tmp_path):
+    """specray_pb2.py was generated from the specray.proto in the tree."""
+    import ast
+
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    serve_dir = REPO / "cluster/serve"
+    rc = protoc.main(["protoc", f"-Ispecray/serve={serve_dir}", f"--python_out={tmp_path}",
+                      str(serve_dir / "specray.proto")])
+    assert rc == 0
+    text = (tmp_path / "specray/serve/specray_pb2.py").read_text()
+    literal = text.split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]
+    assert ast.literal_eval(literal) == pb.DESCRIPTOR.serialized_pb, "regenerate the stubs (see specray.proto)"
+
+
 def test_yaml_deploys_the_app(server):
     """deploy/ray/serve.yaml (paths filled in) started what the tests use."""
     cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
@@ -248,6 +262,9 @@ def test_chat_streaming_equals_non_streaming(server):
     assert finals[0].model_extra["specray"]["acceptance_lengths"] == spec["acceptance_lengths"]
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
+    short = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
 def test_text_completion(server):

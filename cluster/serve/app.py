@@ -17,10 +17,19 @@ per-replica ``max_ongoing_requests`` is set above that bound (room for
 /health and /v1/models) and its router queue is bounded too
 (``max_queued_requests`` of the deployment), so nothing queues without limit.
 
-Disconnects: a streaming response's ASGI call ends when Serve cancels it (the
-proxy saw the client go) or the stream finishes; either way its ``finally``
-releases the request's lease, which closes the engine stream (the engine
-aborts the request and frees its KV blocks) and the admission slot.
+Disconnects: when a client goes, Serve's proxy cancels the request in the
+replica (Starlette's own disconnect listener may get there first). The
+engine stream is never consumed inside that request's task: a detached task
+drives it into a queue, so neither the anyio cancel scope nor Ray's
+recursive cancellation of the request's child calls can swallow the abort.
+However the request ends (finished, error, client gone before or after its
+first byte) the response's ``finally`` releases its lease: an explicit
+``engine.abort`` if the stream still runs (the engine frees its KV blocks),
+then the admission slot.
+
+Streaming responses start with the first token: the prompt is validated by
+the engine at submit, so a bad prompt still gets a 400 rather than an error
+inside a 200 stream.
 """
 
 import asyncio
@@ -116,6 +125,10 @@ def _resolve(args: dict | ServeArgs | None) -> ServeArgs:
         s = s.model_copy(update={"model_name": os.path.basename(os.path.normpath(s.target))})
     if s.api_key is None and os.environ.get("SPECRAY_API_KEY"):
         s = s.model_copy(update={"api_key": os.environ["SPECRAY_API_KEY"]})
+    try:  # fail here, not in a replica constructor that Serve would retry
+        s.engine_config()
+    except TypeError as e:
+        raise ValueError(f"specray.serve: invalid engine settings: {e}") from None
     return s
 
 
@@ -677,4 +690,5 @@ def build_app(args: dict | None = None) -> serve.Application:
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=20,
+        max_constructor_retry_count=3,  # a bad checkpoint fails the deploy instead of retrying 20 times
     ).bind(s.model_dump())

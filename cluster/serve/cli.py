@@ -126,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
     grpc_options = {"port": args.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS} \
         if args.grpc_port else {"port": 0, "grpc_servicer_functions": []}
-    def on_term(signum, frame):
+    def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    # Explicitly: a shell starting us in the background leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         t = time.perf_counter()
         serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options)

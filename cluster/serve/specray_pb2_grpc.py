@@ -5,7 +5,7 @@ import warnings
 
 from specray.serve import specray_pb2 as specray_dot_serve_dot_specray__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
