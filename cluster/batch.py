@@ -271,9 +271,12 @@ class JsonlLog:
 
 
 def _dump_line(row: dict) -> bytes:
+    """One JSON line, UTF-8. U+2028/2029 are escaped too: readers that split
+    on every Unicode line break (``str.splitlines``) still see one row."""
     try:
-        return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates: escape them
+        text = json.dumps(row, ensure_ascii=False).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: escape everything
         return (json.dumps(row) + "\n").encode("ascii")
 
 

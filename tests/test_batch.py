@@ -25,7 +25,7 @@ pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from specray.batch import BatchError, JsonlLog, Sink, id_key, validate_record
+from specray.batch import BatchError, JsonlLog, Sink, _dump_line, id_key, validate_record
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = REPO / "data" / "prompts" / "eval.jsonl"
@@ -190,7 +190,7 @@ def run_batch(cmd, timeout=240) -> subprocess.CompletedProcess:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
 
 
 def assert_exactly_once(out_rows, rows, want):
@@ -217,6 +217,12 @@ def test_validate_record():
     # A Parquet null (or pandas NaN) is an absent field.
     assert validate_record({"id": "a", "prompt": "x", "messages": None, "seed": float("nan")}, d)[1] is None
     assert id_key(1) != id_key("1")
+
+
+def test_jsonl_rows_are_single_lines():
+    line = _dump_line({"id": "a", "text": "x\u2028y\nz\u00e9"})
+    assert line.count(b"\n") == 1 and len(line.decode().splitlines()) == 1
+    assert json.loads(line)["text"] == "x\u2028y\nz\u00e9"
 
 
 def test_jsonl_log_discards_a_torn_last_line_and_refuses_a_foreign_file(tmp_path):
