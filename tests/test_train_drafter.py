@@ -1,0 +1,144 @@
+"""examples/train_drafter.py: the training forward sees exactly what
+inference sees (block logits equal dflash.model.DFlashDraftModel's for the
+same context, weights read back from the checkpoint the script writes), the
+checkpoint loads in the reference and in specray, and a tiny end-to-end run
+(generate -> features -> train -> save) works on CPU."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from factories import add_tokenizer, make_target
+from specray import LLM, SamplingParams
+from specray.config import DrafterSpec, TargetSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-4
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_drafter", ROOT / "examples" / "train_drafter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+td = load_script()
+
+
+def build_and_save(tmp_path, arch, intermediate, block_size=8, taps=(1, 2)):
+    hf = make_target(tmp_path / "t", arch=arch)
+    cfg = td.drafter_config(hf.config, 2, intermediate, list(taps), block_size, hf.config.vocab_size - 1)
+    d = td.Drafter(cfg, max_positions=128)
+    calib = [torch.randint(2, hf.config.vocab_size - 1, (20,), generator=torch.Generator().manual_seed(3))]
+    info = td.init_drafter(d, hf, list(taps), "target", calib, "cpu")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in d.parameters():
+            # Move every weight off its init (fc's zero blocks included) and
+            # onto bf16 values, so the bf16 checkpoint holds exactly them.
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.copy_(p.bfloat16().float())
+    td.save_checkpoint(d, tmp_path / "d")
+    return hf, d.eval(), info
+
+
+@pytest.mark.parametrize("arch,intermediate", [("llama", 128), ("qwen3", 96)])
+def test_train_forward_matches_reference(tmp_path, arch, intermediate):
+    from dflash.model import DFlashDraftModel
+
+    hf, d, info = build_and_save(tmp_path, arch, intermediate)
+    assert info["source_layers"] == [2, 3] and info["fc_identity_tap"] == 1
+    ref, loading = DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32, output_loading_info=True)
+    assert not any(loading.values()), loading  # exactly the reference's parameter names
+    ref = ref.eval()
+    B, taps = ref.block_size, ref.target_layer_ids
+    assert (B, taps, ref.mask_token_id) == (8, [1, 2], hf.config.vocab_size - 1)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, hf.config.vocab_size - 1, (1, 40), generator=g)
+    with torch.no_grad():
+        hs = hf.model(input_ids=ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[t + 1] for t in taps], -1)  # [1, 40, 2H]
+        anchors = torch.tensor([[5, 17, 30, 38, 17]])  # a block past the end, a repeat
+        block = ids[0, anchors[0]][:, None].repeat(1, B)
+        block[:, 1:] = ref.mask_token_id
+        emb = hf.get_input_embeddings().weight
+        got = d(feats, F.embedding(block, emb)[None], anchors)[0] @ hf.lm_head.weight.T  # [K, B, V]
+        for j, a in enumerate(anchors[0].tolist()):
+            h = ref(
+                target_hidden=feats[:, :a],
+                noise_embedding=F.embedding(block[j : j + 1], emb),
+                position_ids=torch.arange(a + B)[None],
+            )
+            want = ref.compute_logits(h, hf.lm_head)[0]
+            diff = (got[j] - want).abs().max().item()
+            assert diff <= TOL, (a, diff)
+
+
+def test_loss_labels_and_positions(tmp_path):
+    hf, d, _ = build_and_save(tmp_path, "qwen3", 96)
+    B = d.block_size
+    ids = torch.randint(2, 300, (2, 24))
+    L = torch.tensor([24, 20])
+    with torch.no_grad():
+        hs = hf.model(input_ids=ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[2], hs[3]], -1)
+    anchors = torch.tensor([[10, 22], [15, 18]])
+    decay = torch.exp(-torch.arange(B - 1).float() / 7.0)
+    loss, stats = td.block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L, anchors,
+                                319, decay, None)
+    assert torch.isfinite(loss)
+    # labelled rows: anchor 10 -> 7 (all), 22 -> 1 (only 23), 15 -> 4 (16..19), 18 -> 1 (19)
+    assert stats[1].item() == 7 + 1 + 4 + 1
+    s = td.summarize(stats, B, 4)
+    assert 1.0 <= s["tau"] <= B and len(s["acc"]) == B - 1
+    # anchors are response positions whose next token exists
+    a = td.sample_anchors(L, torch.tensor([3, 15]), 1000)
+    assert set(a[0].tolist()) == set(range(3, 23)) and set(a[1].tolist()) == set(range(15, 19))
+
+
+def test_checkpoint_runs_losslessly_in_specray(tmp_path):
+    build_and_save(tmp_path, "llama", 128)
+    spec = DrafterSpec.from_dir(tmp_path / "d")
+    spec.check_fits(TargetSpec.from_dir(tmp_path / "t"))
+    assert spec.target_layer_ids == (1, 2) and spec.block_size == 8
+    prompts = [[5, 9, 44, 12, 7], [3] * 11, list(range(20, 50))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = LLM(str(tmp_path / "t")).generate(prompts, params)
+    spec_out = LLM(str(tmp_path / "t"), str(tmp_path / "d")).generate(prompts, params)
+    assert [o.token_ids for o in spec_out] == [o.token_ids for o in base]
+    assert all(o.metrics.acceptance_lengths for o in spec_out)
+
+
+def test_end_to_end_tiny(tmp_path, capsys):
+    make_target(tmp_path / "t", arch="llama", vocab_size=330, seed=4)
+    add_tokenizer(tmp_path / "t", 320)  # ids 320..329: embedding rows no text maps to
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Hello world number {i}, test."}]}) + "\n")
+    out = tmp_path / "out"
+    argv = ["--target", str(tmp_path / "t"), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
+            "--max-new-tokens", "12", "--gen-batch-size", "4", "--batch-seqs", "2", "--anchors", "4",
+            "--block-size", "8", "--max-steps", "6", "--log-every", "2", "--warmup-steps", "2",
+            "--intermediate-size", "96"]
+    summary = td.main(argv)
+    assert summary["steps"] == 6 and summary["data"]["sequences"] == 6
+    assert summary["architecture"]["mask_token_id"] == 329
+    logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [1, 2, 4, 6] and all("val_ce" in r for r in logs)
+    spec = DrafterSpec.from_dir(out)
+    assert spec.num_layers == 2 and spec.mask_token_id == 329 and spec.num_target_layers == 4
+    assert json.loads((out / "training.json").read_text())["steps"] == 6
+    # A rerun reuses the generated data.
+    mtime = (out / "data.pt").stat().st_mtime
+    td.main(argv[:-8] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96"])
+    assert (out / "data.pt").stat().st_mtime == mtime
+    assert "data: reusing" in capsys.readouterr().out
+    out_spec = LLM(str(tmp_path / "t"), str(out)).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert len(out_spec[0].token_ids) == 8 or out_spec[0].finish_reason == "stop"
