@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("batch", "specray.batch", "batch generation over JSONL / Parquet (also a `ray job submit` entry point)"),
         ("bench", "specray.bench", "speculative vs autoregressive throughput on the evaluation set"),
     ):
-        p = sub.add_parser(name, help=help_)
+        # add_help=False: --help reaches the module's own parser.
+        p = sub.add_parser(name, help=help_, add_help=False)
         p.set_defaults(module=module)
     return parser
 
