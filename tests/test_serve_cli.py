@@ -51,7 +51,7 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
         out = "".join(lines)
         assert "press Ctrl-C" in out, out[-4000:]
         assert f"http://127.0.0.1:{port}/v1" in out
-        assert "sample A:" in out and "mean acceptance length" in out
+        assert "sample A:" in out and "mean acceptance length" in out and "/metrics" in out
         # still serving, with the key from SPECRAY_API_KEY
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
                                      headers={"Authorization": "Bearer cli-key"})

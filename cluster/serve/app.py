@@ -186,7 +186,8 @@ class _Lease:
         self.rid: str | None = None
         self.task: asyncio.Task | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.status: int | str = 499  # until the request completes: the client went away
+        # until the request completes: the client went away
+        self.status: int | str = "CANCELLED" if endpoint.startswith("grpc") else 499
         self._released = False
 
     def start(self, prompt, params, rid: str) -> None:

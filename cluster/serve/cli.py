@@ -69,6 +69,20 @@ def _start_ray(host: str):
     return True
 
 
+def _metrics_url() -> str | None:
+    """Ray's metrics export endpoint of this node (where specray_* land)."""
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        for node in ray.nodes():
+            if node.get("Alive") and node.get("NodeManagerAddress") == ip and node.get("MetricsExportPort"):
+                return f"http://{ip}:{node['MetricsExportPort']}/metrics"
+    except Exception:
+        pass
+    return None
+
+
 def sample_request(base_url: str, model: str, api_key: str | None, max_tokens: int = 32,
                    timeout: float = 300.0) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
@@ -143,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specray: OpenAI API at {base_url}/v1  (health: {base_url}/health)", flush=True)
         if args.grpc_port:
             print(f"specray: gRPC specray.v1.SpecRay at {host}:{args.grpc_port}", flush=True)
+        metrics = _metrics_url()
+        if metrics:
+            print(f"specray: Prometheus metrics (ray_specray_*) at {metrics}", flush=True)
         if args.sample_request:
             t = time.perf_counter()
             resp = sample_request(base_url, settings.model_name, api_key, args.sample_max_tokens)
