@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from specray.actors.graphs import DecodeGraphs
 from specray.actors.kv_cache import allocate_kv_cache
 from specray.actors.models.dflash import DFlashDrafter
-from specray.actors.target import resolve_device
+from specray.actors.target import allocated_bytes, resolve_device
 from specray.actors.weights import Checkpoint, CheckpointError, torch_dtype
 from specray.config import DrafterSpec, TargetSpec
 from specray.plan import DraftBatch, DraftOutput
@@ -45,10 +46,37 @@ class DrafterWorker:
         self.dtype = torch_dtype(dtype)
         self.draft_top_k = draft_top_k
         # Block rows reach max_model_len - 1 + B - 1 when a block is cut short.
+        before = allocated_bytes(self.device)
         self.model = DFlashDrafter(spec, self.dtype, self.device, max_positions=max_model_len + spec.block_size)
         embed, lm_head = load_shared_head(target_spec)
         self.model.load(Checkpoint(spec.path), embed, lm_head)
+        self.weight_bytes = allocated_bytes(self.device) - before
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.max_model_len = max_model_len
+
+    def enable_decode_graphs(self, max_seqs: int, block_size: int) -> None:
+        """Capture batched propose (up to the draft logits) in CUDA graphs
+        for up to ``max_seqs`` requests; sampling stays outside."""
+        dev, B = self.device, self.spec.block_size
+        width = -(-(self.max_model_len + B) // block_size)
+        bufs = {
+            "block_ids": torch.full((max_seqs, B), self.spec.mask_token_id, dtype=torch.int64, device=dev),
+            "ctx_lens": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
+            "block_lens": torch.ones(max_seqs, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros(max_seqs, width, dtype=torch.int32, device=dev),
+        }
+        pad_ids = torch.full((max_seqs, B), self.spec.mask_token_id, dtype=torch.int64, device=dev)
+        pad = {"block_ids": pad_ids, "ctx_lens": 0, "block_lens": 1, "block_tables": 0}
+
+        def forward(n: int):
+            hidden = self.model.propose_hidden(
+                bufs["block_ids"][:n], bufs["ctx_lens"][:n], bufs["block_lens"][:n], bufs["block_tables"][:n],
+                self.max_model_len, self.kv_cache,
+            )
+            return (self.model.logits(hidden[:, 1:]),)
+
+        self.graphs = DecodeGraphs(forward, bufs, dict.fromkeys(bufs, 1), pad, max_seqs, dev)
 
     def bytes_per_block(self, block_size: int) -> int:
         s = self.spec
@@ -76,14 +104,20 @@ class DrafterWorker:
     def propose(self, batch: DraftBatch) -> DraftOutput:
         dev = self.device
         ctx_lens = batch.ctx_lens.to(dev, non_blocking=True)
-        hidden = self.model.propose_hidden(
-            batch.block_ids.to(dev, non_blocking=True),
-            ctx_lens,
-            batch.block_lens.to(dev, non_blocking=True),
-            batch.block_tables.to(dev, non_blocking=True),
-            batch.max_ctx_len,
-            self.kv_cache,
-        )
-        logits = self.model.logits(hidden[:, 1:])
+        n = batch.block_ids.shape[0]
+        if self.graphs is not None and n <= self.graphs.max_seqs and batch.block_ids.shape[1] == self.spec.block_size:
+            (logits,) = self.graphs.run(n, {"block_ids": batch.block_ids, "ctx_lens": batch.ctx_lens,
+                                           "block_lens": batch.block_lens, "block_tables": batch.block_tables})
+            logits = logits[:n]
+        else:
+            hidden = self.model.propose_hidden(
+                batch.block_ids.to(dev, non_blocking=True),
+                ctx_lens,
+                batch.block_lens.to(dev, non_blocking=True),
+                batch.block_tables.to(dev, non_blocking=True),
+                batch.max_ctx_len,
+                self.kv_cache,
+            )
+            logits = self.model.logits(hidden[:, 1:])
         tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), ctx_lens, self.draft_top_k)
         return DraftOutput(tokens, idx, q)

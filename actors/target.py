@@ -7,20 +7,33 @@ from __future__ import annotations
 
 import torch
 
+from specray.actors.graphs import DecodeGraphs
 from specray.actors.kv_cache import allocate_kv_cache
 from specray.actors.models.layers import TPContext
 from specray.actors.models.qwen3 import TargetModel
 from specray.actors.weights import Checkpoint, torch_dtype
 from specray.config import TargetSpec
-from specray.plan import TargetBatch
+from specray.plan import AttentionMetadata, TargetBatch
 
 
-def free_memory_bytes(device: torch.device, gpu_memory_utilization: float, cpu_bytes: float) -> float:
-    """Bytes a worker may still take for KV caches on its device."""
+def free_memory_bytes(
+    device: torch.device, gpu_memory_utilization: float, cpu_bytes: float, own_bytes: int = 0
+) -> float:
+    """Bytes an engine may still take for KV caches on its device.
+
+    ``gpu_memory_utilization`` is the share of the device this engine may
+    use in all, its weights (``own_bytes``) included, as in vLLM: two
+    engines at 0.4 each fit one device. What is actually free caps it, less
+    a reserve for activations."""
     if device.type != "cuda":
         return cpu_bytes
     free, total = torch.cuda.mem_get_info(device)
-    return total * gpu_memory_utilization - (total - free)
+    reserve = min(2**30, 0.02 * total)
+    return min(free, total * gpu_memory_utilization - own_bytes) - reserve
+
+
+def allocated_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -46,10 +59,16 @@ class TargetWorker:
         self.device = resolve_device(device)
         self.dtype = torch_dtype(dtype)
         self.tap_layer_ids = tuple(tap_layer_ids)
-        self.model = TargetModel(spec, self.tp, self.dtype, self.device, max_positions=max_model_len)
+        before = allocated_bytes(self.device)
+        # Padded rows of a captured decode batch run a few positions past
+        # max_model_len.
+        self.model = TargetModel(spec, self.tp, self.dtype, self.device, max_positions=max_model_len + 64)
+        self.max_model_len = max_model_len
         self.model.load(Checkpoint(spec.path))
+        self.weight_bytes = allocated_bytes(self.device) - before
         self.kv_cache: torch.Tensor | None = None
         self.last_hidden: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def bytes_per_block(self, block_size: int) -> int:
         m = self.model
@@ -61,6 +80,39 @@ class TargetWorker:
             self.spec.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
         )
 
+    def enable_decode_graphs(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool) -> None:
+        """Capture decode steps of ``q_len`` rows per sequence (the verify
+        block) in CUDA graphs, for up to ``max_seqs`` sequences."""
+        dev = self.device
+        rows = max_seqs * q_len
+        width = -(-(self.max_model_len + q_len) // block_size)
+        bufs = {
+            "input_ids": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.zeros(rows, dtype=torch.int64, device=dev),
+            "seq_lens": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros(max_seqs, width, dtype=torch.int32, device=dev),
+        }
+        per_seq = {"input_ids": q_len, "positions": q_len, "slot_mapping": q_len, "seq_lens": 1, "block_tables": 1}
+        # Dummy sequences: q_len rows at positions 0.., writing into block 0.
+        pad = {"input_ids": 0, "positions": torch.arange(q_len, device=dev).repeat(max_seqs),
+               "slot_mapping": 0, "seq_lens": q_len, "block_tables": 0}
+        query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int64, device=dev)
+        all_rows = torch.arange(rows, device=dev)
+        taps = self.tap_layer_ids if (want_hidden and self.is_driver) else ()
+
+        def forward(n: int):
+            attn = AttentionMetadata(
+                bufs["positions"][: n * q_len], bufs["slot_mapping"][: n * q_len], query_start_loc[: n + 1],
+                bufs["seq_lens"][:n], bufs["block_tables"][:n], q_len, self.max_model_len + q_len,
+            )
+            return self.model.forward(bufs["input_ids"][: n * q_len], attn, self.kv_cache,
+                                      logits_indices=all_rows[: n * q_len] if self.is_driver else None,
+                                      tap_layer_ids=taps)
+
+        self.graphs = DecodeGraphs(forward, bufs, per_seq, pad, max_seqs, dev)
+        self.graph_q_len = q_len
+
     @property
     def is_driver(self) -> bool:
         return self.tp.rank == 0
@@ -69,6 +121,9 @@ class TargetWorker:
     def execute(self, batch: TargetBatch) -> torch.Tensor | None:
         """Logits ``[len(batch.logits_indices), vocab]`` (fp32, on this
         worker's device) on rank 0, None elsewhere."""
+        if self.graphs is not None and batch.uniform_rows == self.graph_q_len and \
+                batch.attn.seq_lens.shape[0] <= self.graphs.max_seqs:
+            return self._execute_graph(batch)
         attn = batch.attn.to(self.device)
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         driver = self.is_driver
@@ -81,6 +136,17 @@ class TargetWorker:
         )
         self.last_hidden = hidden
         return logits
+
+    def _execute_graph(self, batch: TargetBatch) -> torch.Tensor | None:
+        a = batch.attn
+        n = a.seq_lens.shape[0]
+        logits, hidden = self.graphs.run(n, {
+            "input_ids": batch.input_ids, "positions": a.positions, "slot_mapping": a.slot_mapping,
+            "seq_lens": a.seq_lens, "block_tables": a.block_tables,
+        })
+        rows = n * self.graph_q_len
+        self.last_hidden = hidden[:rows] if hidden is not None else None
+        return logits[:rows] if logits is not None else None
 
     def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Tapped hidden states ``[n, k*H]`` of the given rows of the last

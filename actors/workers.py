@@ -92,10 +92,19 @@ def free_address() -> tuple[str, int]:
         return ip, s.getsockname()[1]
 
 
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int, device: torch.device):
     """Join the engine's process group (TP ranks 0..tp-1, then the drafter
     if it runs apart) and return the TP subgroup (None for the drafter)."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if init_method.startswith("file://"):
+        # All ranks share this node: gloo's pairs listen on loopback only.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
@@ -151,13 +160,18 @@ class DrafterActor:
     def init_distributed(self, init_method: str, rank: int, world_size: int, tp_size: int) -> None:
         init_distributed(init_method, rank, world_size, tp_size, self.device)
 
+    def node_id(self) -> str:
+        return node_id()
+
     def kv_capacity(self) -> int:
         budget = free_memory_bytes(self.device, self.config.gpu_memory_utilization,
-                                   self.config.cpu_kv_cache_gb * 2**30)
+                                   self.config.cpu_kv_cache_gb * 2**30, self.worker.weight_bytes)
         return int(budget // self.worker.bytes_per_block(self.config.kv_block_size))
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
+        if self.config.cuda_graphs:
+            self.worker.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size)
 
     def connect(self, kind: str, unique_id=None, peer: int | None = None) -> None:
         self.channel = _Channels.make(kind, 1, self.device, unique_id, peer)
@@ -217,6 +231,9 @@ class TargetRank:
     def address(self) -> tuple[str, int]:
         return free_address()
 
+    def node_id(self) -> str:
+        return node_id()
+
     def init_distributed(self, init_method: str | None, world_size: int) -> None:
         if init_method is not None:
             self.tp_group = init_distributed(init_method, self.rank, world_size, self.tp_size, self.device)
@@ -228,11 +245,10 @@ class TargetRank:
         )
 
     def kv_capacity(self, with_local_drafter: bool = False) -> int:
+        workers = [self.worker] + ([self._local_drafter()] if with_local_drafter else [])
         budget = free_memory_bytes(self.device, self.config.gpu_memory_utilization,
-                                   self.config.cpu_kv_cache_gb * 2**30)
-        per_block = self.worker.bytes_per_block(self.config.kv_block_size)
-        if with_local_drafter:
-            per_block += self._local_drafter().bytes_per_block(self.config.kv_block_size)
+                                   self.config.cpu_kv_cache_gb * 2**30, sum(w.weight_bytes for w in workers))
+        per_block = sum(w.bytes_per_block(self.config.kv_block_size) for w in workers)
         return int(budget // per_block)
 
     def init_cache(self, num_blocks: int) -> None:
@@ -281,6 +297,12 @@ class TargetRank:
             self.config, self.spec, self.drafter_spec, target, drafter, load_tokenizer(self.config.target),
             self.max_model_len, num_target_blocks, num_draft_blocks,
         )
+        if self.config.cuda_graphs and self.tp_size == 1:
+            from specray.llm import enable_decode_graphs
+
+            enable_decode_graphs(self.config, core.block_size, self.worker,
+                                 drafter if drafter_mode == "colocated" else None,
+                                 want_hidden=drafter is not None)
 
         def on_stop():
             target.stop()

@@ -10,6 +10,7 @@ carries the outputs of many steps.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from collections.abc import AsyncIterator
 
@@ -148,17 +149,29 @@ class AsyncEngine:
         finally:
             self._queues.pop(rid, None)
             if not finished:
-                await self.core.aabort([rid])
+                await self._detached(self.core.aabort([rid]))
 
     async def abort(self, request_id: str) -> None:
-        await self.core.aabort([request_id])
+        await self._detached(self.core.aabort([request_id]))
+
+    @staticmethod
+    def _detached(coro):
+        """Run ``coro`` in a task with a fresh context and shield it: under
+        Ray Serve a request's context makes every actor call a child of the
+        request, cancelled with it, and an abort must survive exactly that."""
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+        return asyncio.shield(task)
 
     def stats(self) -> dict:
         return self.core.stats()
 
     def _ensure_pump(self) -> None:
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._pump_outputs())
+            # A fresh context: the pump serves every request, it must not
+            # die with the one that happened to start it.
+            self._pump = asyncio.get_running_loop().create_task(
+                self._pump_outputs(), context=contextvars.Context()
+            )
 
     async def _pump_outputs(self) -> None:
         while self._queues:

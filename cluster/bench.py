@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if drafter is None:
         print("specray bench: a drafter is needed (--drafter DIR)", file=sys.stderr)
         return 2
-    spec = LLM(target, drafter, device=args.device, dtype=args.dtype)
-    ar = LLM(target, None, device=args.device, dtype=args.dtype)
+    # Two engines share the device: each takes a part of its memory.
+    mem = dict(max_model_len=4096, gpu_memory_utilization=0.4)
+    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, **mem)
+    ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
     prompts = [text for _, text in rows]
     block = spec.engine.block_size

@@ -316,6 +316,10 @@ class EngineConfig:
     # Synchronize the device around model passes so that StepStats splits a
     # step into model time and control overhead (costs a little speed).
     sync_timing: bool = False
+    # Replay decode steps (verify block, batched propose) from CUDA graphs
+    # captured per padded batch size (TP 1). Off CUDA this runs the same
+    # padded static-shaped path eagerly, which is how CPU tests cover it.
+    cuda_graphs: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

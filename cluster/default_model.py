@@ -132,3 +132,15 @@ def ensure_default_target(cache_dir: str | os.PathLike | None = None) -> pathlib
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+DRAFTER_SUBDIR = "smollm2-dflash"
+
+
+def default_drafter_dir() -> str:
+    """The DFlash drafter shipped with specray for the default target
+    (trained by examples/train_drafter.py; see its training.json)."""
+    d = pathlib.Path(__file__).parent / "assets" / DRAFTER_SUBDIR
+    if not (d / "config.json").is_file():
+        raise RuntimeError(f"the default drafter is missing from this install ({d})")
+    return str(d)

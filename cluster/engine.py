@@ -236,7 +236,12 @@ class EngineCore:
         which draft each one is (``draft_src``, flat index into the
         ``[S, B-1]`` drafts), and ``logit_rows``: the ``[S, Bmax]`` rows of
         the logits that hold each verify block (padded with its first row),
-        followed by one row per prefill chunk that samples."""
+        followed by one row per prefill chunk that samples.
+
+        A decode-only step with ``cuda_graphs`` gives every block the full
+        ``B`` rows (the extra rows write to the reserved block 0 and are never
+        read), so its shapes depend on the batch size alone."""
+        uniform = self.config.cuda_graphs and not prefill
         ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
         draft_dst, draft_src, logits_indices = [], [], []
         bmax = max((d.block_len for d in decode), default=1)
@@ -245,22 +250,23 @@ class EngineCore:
         for s, d in enumerate(decode):
             r = d.request
             base = len(ids)
+            rows = self.block_size if uniform else d.block_len
             ids.append(r.all_token_ids[-1])
-            ids.extend([0] * (d.block_len - 1))
+            ids.extend([0] * (rows - 1))
             draft_dst.extend(range(base + 1, base + d.block_len))
             draft_src.extend(range(s * G, s * G + d.block_len - 1))
-            positions.extend(range(r.num_computed, r.num_computed + d.block_len))
+            positions.extend(range(r.num_computed, r.num_computed + rows))
             slots.extend(r.target_blocks.slots(r.num_computed, r.num_computed + d.block_len))
-            seq_lens.append(r.num_computed + d.block_len)
+            slots.extend([0] * (rows - d.block_len))
+            seq_lens.append(r.num_computed + rows)
             tables.append(r.target_blocks.blocks)
-            rows = list(range(len(logits_indices), len(logits_indices) + d.block_len))
-            verify_rows.append(rows + [rows[0]] * (bmax - d.block_len))
-            logits_indices.extend(range(base, base + d.block_len))
+            first = len(logits_indices)
+            verify_rows.append(list(range(first, first + d.block_len)) + [first] * (bmax - d.block_len))
+            logits_indices.extend(range(base, base + rows))
             starts.append(len(ids))
         sample_rows = []
         for p in prefill:
             r = p.request
-            base = len(ids)
             ids.extend(r.all_token_ids[p.start : p.end])
             positions.extend(range(p.start, p.end))
             slots.extend(r.target_blocks.slots(p.start, p.end))
@@ -285,6 +291,7 @@ class EngineCore:
             attn=attn,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             want_hidden=self.drafter is not None,
+            uniform_rows=self.block_size if uniform else 0,
         )
         logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
@@ -344,7 +351,7 @@ class EngineCore:
                     ctx_slots.extend(r.draft_blocks.slots(r.num_computed, new_computed))
                 self.scheduler.commit(r, new_computed)
             outputs.append(self._output(r))
-            row += d.block_len
+            row += self.block_size if batch.uniform_rows else d.block_len
         first_iter = iter(firsts)
         for p in prefill:
             r = p.request

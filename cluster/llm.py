@@ -31,7 +31,8 @@ def size_kv_pools(config: EngineConfig, workers: list, device) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = sum(w.bytes_per_block(config.kv_block_size) for w in workers)
-    budget = free_memory_bytes(device, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30)
+    own = sum(w.weight_bytes for w in workers)
+    budget = free_memory_bytes(device, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, own)
     n = int(budget // per_block)
     if n < 2:
         raise MemoryError(
@@ -74,7 +75,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     num_blocks = size_kv_pools(config, workers, target.device)
     for w in workers:
         w.init_cache(num_blocks, config.kv_block_size)
-    return EngineCore(
+    core = EngineCore(
         config,
         target_spec,
         drafter_spec,
@@ -85,6 +86,18 @@ def build_engine(config: EngineConfig) -> EngineCore:
         num_target_blocks=num_blocks,
         num_draft_blocks=num_blocks if drafter else None,
     )
+    if config.cuda_graphs:
+        enable_decode_graphs(config, core.block_size, target, drafter)
+    return core
+
+
+def enable_decode_graphs(config: EngineConfig, block_size: int, target, local_drafter, want_hidden: bool | None = None):
+    """Static decode buffers (and CUDA graphs on CUDA) for the target and a
+    drafter living in the same process."""
+    want_hidden = local_drafter is not None if want_hidden is None else want_hidden
+    target.enable_decode_graphs(block_size, config.max_num_seqs, config.kv_block_size, want_hidden=want_hidden)
+    if local_drafter is not None:
+        local_drafter.enable_decode_graphs(config.max_num_seqs, config.kv_block_size)
 
 
 class LLM:

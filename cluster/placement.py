@@ -12,17 +12,23 @@ their process group and channels, and the serving loops.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 from specray.config import ConfigError, EngineConfig, TargetSpec
 
 
+# Ray reads this when it is imported: a local cluster then stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
 def ensure_ray(num_cpus: int | None = None):
-    """Connect to ``RAY_ADDRESS`` if set, else start a local Ray bound to
-    loopback. A local cluster declares at least 8 logical CPUs: actors that
-    mostly wait (followers, a CPU drafter) should not need a core each."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    """Connect to ``RAY_ADDRESS`` if set, else start a private local Ray
+    bound to loopback (``address="local"``: never join a stale cluster that
+    happens to be recorded on this machine). A local cluster declares at
+    least 8 logical CPUs: actors that mostly wait (followers, a CPU drafter)
+    should not need a core each."""
     import ray
 
     if not ray.is_initialized():
@@ -31,6 +37,7 @@ def ensure_ray(num_cpus: int | None = None):
             ray.init(address=address, logging_level="WARNING")
         else:
             ray.init(
+                address="local",
                 num_cpus=num_cpus or max(8, os.cpu_count() or 1),
                 _node_ip_address="127.0.0.1",
                 include_dashboard=False,
@@ -140,8 +147,14 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
     world = tp + int(drafter_in_world)
     init_method = None
     if world > 1:
-        ip, port = ray.get(ranks[0].address.remote())
-        init_method = f"tcp://{ip}:{port}"
+        members = ranks + ([drafter] if drafter_in_world else [])
+        if len(set(ray.get([a.node_id.remote() for a in members]))) == 1:
+            # One node: rendezvous through a file, so no TCP store listens
+            # on any interface.
+            init_method = f"file://{tempfile.mkdtemp(prefix='specray-pg-')}/store"
+        else:
+            ip, port = ray.get(ranks[0].address.remote())
+            init_method = f"tcp://{ip}:{port}"
     calls = [r.init_distributed.remote(init_method, world) for r in ranks]
     if drafter_in_world:
         calls.append(drafter.init_distributed.remote(init_method, tp, world, tp))

@@ -48,6 +48,9 @@ class TargetBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logit_rows] int64, rows of input_ids
     want_hidden: bool  # tap hidden states for the drafter
+    # >0: a decode-only batch where every sequence has exactly this many rows
+    # and logits_indices covers all of them (what CUDA graphs replay).
+    uniform_rows: int = 0
 
 
 @dataclass

@@ -23,16 +23,18 @@ def ckpt(tmp_path_factory):
     return root
 
 
-def generate(root, drafter, device, dtype, params):
-    llm = LLM(root / "t", root / "d" if drafter else None, device=device, dtype=dtype, num_kv_blocks=512)
+def generate(root, drafter, device, dtype, params, **kw):
+    llm = LLM(root / "t", root / "d" if drafter else None, device=device, dtype=dtype, num_kv_blocks=512,
+              max_model_len=512, **kw)
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
-def test_gpu_fp32_matches_cpu_and_is_lossless(ckpt):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_fp32_matches_cpu_and_is_lossless(ckpt, graphs):
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     cpu = generate(ckpt, True, "cpu", "float32", greedy)
-    gpu_spec = generate(ckpt, True, "cuda", "float32", greedy)
-    gpu_ar = generate(ckpt, False, "cuda", "float32", greedy)
+    gpu_spec = generate(ckpt, True, "cuda", "float32", greedy, cuda_graphs=graphs)
+    gpu_ar = generate(ckpt, False, "cuda", "float32", greedy, cuda_graphs=graphs)
     assert gpu_spec == cpu
     assert gpu_ar == cpu
 

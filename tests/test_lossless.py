@@ -62,19 +62,23 @@ class OracleDrafter:
         return DraftOutput(tokens, out.draft_idx, out.draft_q)
 
 
-@pytest.mark.parametrize("mode", ["ar", "spec", "oracle", "oracle-tight-kv"])
+@pytest.mark.parametrize("mode", ["ar", "spec", "oracle", "oracle-tight-kv", "oracle-static-decode", "ar-static-decode"])
 def test_staggered_batch_equals_hf_greedy(models, mode):
     root, hf = models
     prompts, max_tokens = prompts_and_lengths()
     truth = {str(i): hf_greedy(hf, p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))}
     tight = mode == "oracle-tight-kv"
+    # *-static-decode: the padded, static-shaped decode path that CUDA graphs
+    # replay on a GPU (run eagerly here).
     cfg = EngineConfig(
         target=str(root / "t"),
-        drafter=None if mode == "ar" else str(root / "d"),
+        drafter=None if mode.startswith("ar") else str(root / "d"),
         kv_block_size=4,
         num_kv_blocks=40 if tight else 400,
         max_model_len=128,
         max_num_batched_tokens=64,
+        cuda_graphs=mode.endswith("static-decode"),
+        max_num_seqs=6,
     )
     engine = build_engine(cfg)
     if mode.startswith("oracle"):

@@ -3,7 +3,6 @@ groups with a separate drafter actor give exactly the in-process engine's
 output, stream while running, abort cleanly, and make no Ray call per step."""
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -21,9 +20,7 @@ MAX_TOKENS = [30, 24, 17, 33, 20]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR")
     root = tmp_path_factory.mktemp("ray")
     hf = make_target(root / "t", seed=2)
     add_tokenizer(root / "t", hf.config.vocab_size)

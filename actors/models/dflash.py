@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.actors.models.layers import Rotary, rms_norm
+from specray.actors.models.layers import Rotary, apply_rope, rms_norm
 from specray.actors.weights import Checkpoint
 from specray.config import DrafterSpec
 from specray.kernels import ops
@@ -103,12 +103,12 @@ class DFlashDrafter:
         self.embed = embed.to(device=self.device, dtype=self.dtype)
         self.lm_head = lm_head.to(device=self.device, dtype=self.dtype)
 
-    def _kv(self, layer: DrafterLayer, x: torch.Tensor, positions: torch.Tensor):
+    def _kv(self, layer: DrafterLayer, x: torch.Tensor, rope):
         """K (normed, rotated) and V of ``x`` ``[..., H]``."""
         nkv, D = self.spec.num_kv_heads, self.head_dim
         k, v = F.linear(x, layer.kv_proj, layer.kv_bias).split([nkv * D, nkv * D], dim=-1)
         k = rms_norm(k.unflatten(-1, (nkv, D)), layer.k_norm, self.spec.rms_norm_eps)
-        return self.rotary.apply(k, positions), v.unflatten(-1, (nkv, D))
+        return apply_rope(k, rope), v.unflatten(-1, (nkv, D))
 
     def store_context(
         self,
@@ -120,8 +120,9 @@ class DFlashDrafter:
         """``hidden_tapped`` ``[n, k*H]`` at ``positions`` ``[n]`` into the
         context KV ``[L, 2, blocks, block_size, Hkv, D]`` at ``slot_mapping``."""
         ctx = rms_norm(F.linear(hidden_tapped.to(self.dtype), self.fc), self.hidden_norm, self.spec.rms_norm_eps)
+        rope = self.rotary.lookup(positions, ctx.dtype)
         for li, layer in enumerate(self.layers):
-            k, v = self._kv(layer, ctx, positions)
+            k, v = self._kv(layer, ctx, rope)
             ops.store_kv(kv_cache[li, 0], kv_cache[li, 1], k, v, slot_mapping)
 
     def propose_hidden(
@@ -143,12 +144,13 @@ class DFlashDrafter:
         x = F.embedding(block_ids, self.embed)
         if spec.input_embedding_scale != 1.0:
             x = x * spec.input_embedding_scale
+        rope = self.rotary.lookup(positions, x.dtype)
         for li, layer in enumerate(self.layers):
             residual = x
             h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
             q = F.linear(h, layer.q_proj, layer.q_bias).unflatten(-1, (nq, D))
-            q = self.rotary.apply(rms_norm(q, layer.q_norm, spec.rms_norm_eps), positions)
-            k, v = self._kv(layer, h, positions)
+            q = apply_rope(rms_norm(q, layer.q_norm, spec.rms_norm_eps), rope)
+            k, v = self._kv(layer, h, rope)
             o = ops.dflash_block_attention(
                 q,
                 k,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from specray.config import RopeSpec
 from specray.plan import AttentionMetadata  # noqa: F401  (re-exported for models)
@@ -16,10 +17,7 @@ from specray.plan import AttentionMetadata  # noqa: F401  (re-exported for model
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # fp32 statistics, cast back before the weight: the order HF uses, which
     # parity at 1e-4 depends on.
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -53,14 +51,18 @@ class Rotary:
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., heads, head_dim]`` with ``positions`` shaped like
-        ``x.shape[:-2]``."""
-        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions``, shaped to broadcast over heads; looked
+        up once per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x`` ``[..., heads, head_dim]``; ``cos_sin`` from ``Rotary.lookup``."""
+    cos, sin = cos_sin
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 @dataclass

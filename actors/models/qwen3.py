@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.actors.models.layers import AttentionMetadata, Rotary, TPContext, rms_norm
+from specray.actors.models.layers import AttentionMetadata, Rotary, TPContext, apply_rope, rms_norm
 from specray.actors.weights import Checkpoint, CheckpointError
 from specray.config import TargetSpec
 from specray.kernels import ops
@@ -161,6 +161,7 @@ class TargetModel:
         D = self.head_dim
         nq, nkv = self.num_q_heads, self.num_kv_heads
         h = F.embedding(input_ids, self.embed)
+        rope = self.rotary.lookup(attn.positions, h.dtype)
         taps: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
@@ -174,8 +175,8 @@ class TargetModel:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, self.spec.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, self.spec.rms_norm_eps)
-            q = self.rotary.apply(q, attn.positions)
-            k = self.rotary.apply(k, attn.positions)
+            q = apply_rope(q, rope)
+            k = apply_rope(k, rope)
             ops.store_kv(kv_cache[li, 0], kv_cache[li, 1], k, v, attn.slot_mapping)
             o = ops.paged_attention(
                 q,

@@ -1,0 +1,101 @@
+"""CUDA-graph capture of the decode step.
+
+A decode step's shapes depend only on the number of sequences once every
+sequence gets the same number of rows (a verify block of ``q_len``, padded).
+``DecodeGraphs`` keeps static input buffers sized for ``max_seqs``, pads a
+batch to the next captured size (dummy sequences point at the reserved block
+0), and replays the graph captured for that size; each size is captured on
+first use. Off CUDA the same padded, static-shaped call runs eagerly, which
+is how the CPU tests check the padding logic.
+
+The kernels read lengths, tables and positions from device memory and the
+grid depends only on these static sizes, so replaying with new contents is
+exact (tests/test_kernels.py captures and replays them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def capture_sizes(max_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s < max_seqs]
+    return sizes + [max_seqs]
+
+
+class DecodeGraphs:
+    """Static buffers + one graph per padded batch size.
+
+    ``buffers`` maps a name to a tensor whose first dimension is
+    ``max_seqs * rows_per_seq[name]``; ``pad`` gives the value padded rows
+    take (a tensor broadcast over the padded rows, or a scalar). ``fn(n)``
+    runs the model on the first ``n`` sequences of the buffers and returns
+    its outputs."""
+
+    def __init__(
+        self,
+        fn: Callable[[int], tuple],
+        buffers: dict[str, torch.Tensor],
+        rows_per_seq: dict[str, int],
+        pad: dict[str, object],
+        max_seqs: int,
+        device: torch.device,
+    ):
+        self.fn = fn
+        self.buffers = buffers
+        self.rows = rows_per_seq
+        self.pad = pad
+        self.max_seqs = max_seqs
+        self.sizes = capture_sizes(max_seqs)
+        self.use_graphs = device.type == "cuda"
+        self.device = device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple] = {}
+        self.pool = None
+
+    def padded(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def run(self, n: int, inputs: dict[str, torch.Tensor]) -> tuple:
+        """Copy the inputs of ``n`` sequences in, pad, run; outputs cover the
+        padded size (callers read their first rows)."""
+        size = self.padded(n)
+        for name, src in inputs.items():
+            buf, r = self.buffers[name], self.rows[name]
+            dst = buf[: n * r]
+            if dst.dim() == 2 and src.shape[1] < dst.shape[1]:
+                dst[:, : src.shape[1]].copy_(src, non_blocking=True)
+                dst[:, src.shape[1] :].zero_()
+            else:
+                dst.copy_(src, non_blocking=True)
+            if size > n:
+                pad = self.pad[name]
+                tail = buf[n * r : size * r]
+                if isinstance(pad, torch.Tensor):
+                    tail.copy_(pad[: tail.shape[0]])
+                else:
+                    tail.fill_(pad)
+        if not self.use_graphs:
+            return self.fn(size)
+        if size not in self.graphs:
+            self._capture(size)
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def _capture(self, size: int) -> None:
+        # Warm up on a side stream (Triton compiles, allocator settles), then
+        # capture; all sizes share one memory pool.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.fn(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self.fn(size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = graph
