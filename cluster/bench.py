@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print("specray bench: a drafter is needed (--drafter DIR)", file=sys.stderr)
         return 2
     # Two engines share the device: each takes a part of its memory.
-    mem = dict(max_model_len=4096, gpu_memory_utilization=0.4)
+    mem = dict(max_model_len=4096, gpu_memory_utilization=0.4, cuda_graphs=args.cuda_graphs,
+               max_num_seqs=max(8, args.batch_size))
     spec = LLM(target, drafter, device=args.device, dtype=args.dtype, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     spec.generate(prompts[:1], warm)
     ar.generate(prompts[:1], warm)
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
+               "cuda_graphs": args.cuda_graphs,
                "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}
     for temp in args.temperatures:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i)

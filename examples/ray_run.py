@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reference")
     ap.add_argument("--write-reference")
+    ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -63,11 +64,12 @@ def main():
     prompts = [t for _, t in rows]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     result = {"device": args.device, "tp": args.tp, "placement": args.placement, "prompts": len(prompts),
+              "cuda_graphs": args.cuda_graphs,
               "max_tokens": args.max_tokens}
     for name, drafter in (("spec", args.drafter), ("ar", None)):
         llm = LLM(args.target, drafter, device=args.device, dtype=args.dtype, backend="ray",
                   tensor_parallel_size=args.tp, drafter_placement=args.placement, sync_timing=True,
-                  max_model_len=2048)
+                  max_model_len=2048, cuda_graphs=args.cuda_graphs, max_num_seqs=8)
         try:
             llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
             before = llm.stats()
