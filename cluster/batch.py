@@ -84,6 +84,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specray.cli import add_model_args
+
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 INT_FIELDS = ("max_tokens", "top_k", "seed")
 OUTPUT_FIELDS = ("id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "mean_acceptance_length")
@@ -814,12 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", help="error rows (default: OUTPUT.errors.jsonl)")
     p.add_argument("--summary", help="run summary JSON (default: OUTPUT.summary.json)")
     m = p.add_argument_group("model")
-    m.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
-    m.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
-    m.add_argument("--no-drafter", action="store_true", help="decode autoregressively")
-    m.add_argument("--device", default="cpu", help="cpu | cuda (an in-process replica takes --gpus-per-replica)")
-    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--max-model-len", type=int)
+    add_model_args(m)  # an in-process replica on --device cuda takes --gpus-per-replica GPUs
     m.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                    help="extra EngineConfig field, e.g. max_num_seqs=128 or num_kv_blocks=4096 (repeatable)")
     s = p.add_argument_group("scale-out")

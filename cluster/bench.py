@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from specray.cli import add_model_args
+
 
 def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[tuple[str, str]]:
     """``(id, prompt text)`` from a JSONL of ``messages`` or ``prompt`` rows."""
@@ -70,13 +72,9 @@ def summarize(spec_outs, ar_outs, spec_s, ar_s, block_size: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray bench", description=__doc__)
-    p.add_argument("--target")
-    p.add_argument("--drafter")
-    p.add_argument("--no-drafter", action="store_true", help=argparse.SUPPRESS)
+    add_model_args(p)
     p.add_argument("--prompts", default="data/prompts/eval.jsonl")
     p.add_argument("--limit", type=int)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--batch-size", type=int, default=1)
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print("specray bench: a drafter is needed (--drafter DIR)", file=sys.stderr)
         return 2
     # Two engines share the device: each takes a part of its memory.
-    mem = dict(max_model_len=4096, gpu_memory_utilization=0.4, cuda_graphs=args.cuda_graphs,
+    mem = dict(max_model_len=args.max_model_len or 4096, gpu_memory_utilization=0.4, cuda_graphs=args.cuda_graphs,
                max_num_seqs=max(8, args.batch_size))
     spec = LLM(target, drafter, device=args.device, dtype=args.dtype, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)

@@ -8,7 +8,9 @@ import sys
 import time
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p) -> None:
+    """The model flags every command shares (a parser or an argument group);
+    ``resolve_models`` turns them into checkpoint directories."""
     p.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter for the default target)")
     p.add_argument("--no-drafter", action="store_true", help="decode autoregressively (the baseline)")
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt and print acceptance stats")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-tokens", type=int, default=128)

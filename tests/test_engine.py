@@ -99,3 +99,16 @@ def test_metrics(ckpt):
     assert m.num_accepted_tokens == sum(a - 1 for a in m.acceptance_lengths)
     assert sum(m.accepted_per_position) == m.num_accepted_tokens
     assert m.ttft is not None and m.ttft >= 0
+
+
+def test_cli_generate_prints_text_and_stats(ckpt, capsys):
+    import json as _json
+
+    from specray.cli import main
+
+    rc = main(["generate", "--target", str(ckpt / "t"), "--drafter", str(ckpt / "d"), "--max-tokens", "12",
+               "--json", "The capital of France is"])
+    out = capsys.readouterr().out.strip().splitlines()
+    stats = _json.loads(out[-1])
+    assert rc == 0 and stats["tokens"] == 12 and stats["mean_acceptance_length"] >= 1
+    assert main(["generate", "--target", str(ckpt / "nowhere"), "x"]) == 2

@@ -10,23 +10,20 @@ import time
 import urllib.error
 import urllib.request
 
+from specray.cli import add_model_args
+
 SAMPLE_QUESTION = "What is the capital of France?"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specray serve", description=__doc__)
     m = p.add_argument_group("model")
-    m.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
-    m.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter of the default target)")
-    m.add_argument("--no-drafter", action="store_true", help="decode autoregressively")
+    add_model_args(m)
     m.add_argument("--model-name", help="served model id (default: the target directory's name)")
-    m.add_argument("--device", default="cpu", help="cpu | cuda")
-    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="target TP ranks")
     m.add_argument("--drafter-placement", choices=["separate", "colocated"], default="separate")
     m.add_argument("--backend", choices=["ray", "inprocess"], default="ray",
                    help="ray: engine actors beside the replica (default); inprocess: the model inside the replica")
-    m.add_argument("--max-model-len", type=int)
     m.add_argument("--num-kv-blocks", type=int)
     m.add_argument("--kv-block-size", type=int, default=16)
     m.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
