@@ -75,11 +75,11 @@ def _eos_ids(value) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class TargetSpec:
-    """A Qwen3 or Llama dense causal LM, as its config.json describes it."""
+class DecoderShape:
+    """What a Qwen3/Llama-style decoder stack needs from config.json; the
+    target and the drafter both have one."""
 
     path: str
-    arch: str  # "qwen3" | "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -89,6 +89,30 @@ class TargetSpec:
     head_dim: int
     rms_norm_eps: float
     rope: RopeSpec
+
+    @staticmethod
+    def fields_from(cfg: dict, path, where: str) -> dict:
+        hidden = int(_need(cfg, "hidden_size", where))
+        heads = int(_need(cfg, "num_attention_heads", where))
+        return dict(
+            path=str(path),
+            vocab_size=int(_need(cfg, "vocab_size", where)),
+            hidden_size=hidden,
+            intermediate_size=int(_need(cfg, "intermediate_size", where)),
+            num_layers=int(_need(cfg, "num_hidden_layers", where)),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeSpec.from_hf(cfg, where),
+        )
+
+
+@dataclass(frozen=True)
+class TargetSpec(DecoderShape):
+    """A Qwen3 or Llama dense causal LM, as its config.json describes it."""
+
+    arch: str  # "qwen3" | "llama"
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -120,10 +144,8 @@ class TargetSpec:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{where}: hidden_act {act!r} is not supported (silu)")
-        hidden = int(_need(cfg, "hidden_size", where))
-        heads = int(_need(cfg, "num_attention_heads", where))
-        gen_eos = _generation_eos(path)
-        num_layers = int(_need(cfg, "num_hidden_layers", where))
+        shape = DecoderShape.fields_from(cfg, path, where)
+        num_layers = shape["num_layers"]
         layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
         if cfg.get("use_sliding_window") is False:
             layer_types = ["full_attention"] * num_layers
@@ -132,23 +154,14 @@ class TargetSpec:
             for t in layer_types
         )
         return TargetSpec(
-            path=str(path),
+            **shape,
             arch=arch,
-            vocab_size=int(_need(cfg, "vocab_size", where)),
-            hidden_size=hidden,
-            intermediate_size=int(_need(cfg, "intermediate_size", where)),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeSpec.from_hf(cfg, where),
             layer_window=windows,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            eos_token_ids=gen_eos or _eos_ids(cfg.get("eos_token_id")),
+            eos_token_ids=_generation_eos(path) or _eos_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
@@ -165,19 +178,9 @@ def _generation_eos(path) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class DrafterSpec:
+class DrafterSpec(DecoderShape):
     """A DFlash drafter in the DFlash authors' checkpoint format."""
 
-    path: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeSpec
     attention_bias: bool
     block_size: int
     num_target_layers: int
@@ -204,9 +207,8 @@ class DrafterSpec:
         def value(name, default=None):
             return dcfg.get(name, cfg.get(name, default))
 
-        hidden = int(_need(cfg, "hidden_size", where))
-        heads = int(_need(cfg, "num_attention_heads", where))
-        num_layers = int(_need(cfg, "num_hidden_layers", where))
+        shape = DecoderShape.fields_from(cfg, path, where)
+        num_layers = shape["num_layers"]
         num_target_layers = int(_need(cfg, "num_target_layers", where))
         layer_ids = value("target_layer_ids")
         if layer_ids is None:
@@ -232,16 +234,7 @@ class DrafterSpec:
             windows.append(int(window) if sliding else None)
         softcap = value("final_logit_softcapping")
         return DrafterSpec(
-            path=str(path),
-            vocab_size=int(_need(cfg, "vocab_size", where)),
-            hidden_size=hidden,
-            intermediate_size=int(_need(cfg, "intermediate_size", where)),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeSpec.from_hf(cfg, where),
+            **shape,
             attention_bias=bool(cfg.get("attention_bias", False)),
             block_size=int(value("block_size", 16)),
             num_target_layers=num_target_layers,
