@@ -114,14 +114,3 @@ def allocate_kv_cache(
         num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
     )
 
-
-def num_blocks_for_memory(
-    bytes_available: int,
-    num_layers: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> int:
-    per_block = num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    return int(bytes_available // per_block)
