@@ -32,6 +32,16 @@ def free_memory_bytes(
     return min(free, total * gpu_memory_utilization - own_bytes) - reserve
 
 
+def kv_capacity(workers: list, gpu_memory_utilization: float, cpu_bytes: float, block_size: int) -> int:
+    """KV blocks that fit beside ``workers`` (sharing one device) when each
+    of them keeps one pool of that many blocks; may be < 2 (callers say
+    what to do about it)."""
+    device = workers[0].device
+    own = sum(w.weight_bytes for w in workers)
+    budget = free_memory_bytes(device, gpu_memory_utilization, cpu_bytes, own)
+    return int(budget // sum(w.bytes_per_block(block_size) for w in workers))
+
+
 def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 

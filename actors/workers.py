@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from specray.actors.drafter import DrafterWorker
 from specray.actors.models.layers import TPContext
-from specray.actors.target import TargetWorker, free_memory_bytes, resolve_device
+from specray.actors.target import TargetWorker, kv_capacity, resolve_device
 from specray.actors.transport import (
     CupyNcclChannel,
     TorchP2PChannel,
@@ -113,6 +113,10 @@ def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int,
     return tp_group if rank < tp_size else None
 
 
+def _kv_capacity(config: EngineConfig, workers: list) -> int:
+    return kv_capacity(workers, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, config.kv_block_size)
+
+
 class _Channels:
     """How rank 0 and a separate drafter talk: NCCL via CuPy between GPUs,
     torch.distributed gloo between CPU processes."""
@@ -164,9 +168,7 @@ class DrafterActor:
         return node_id()
 
     def kv_capacity(self) -> int:
-        budget = free_memory_bytes(self.device, self.config.gpu_memory_utilization,
-                                   self.config.cpu_kv_cache_gb * 2**30, self.worker.weight_bytes)
-        return int(budget // self.worker.bytes_per_block(self.config.kv_block_size))
+        return _kv_capacity(self.config, [self.worker])
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
@@ -201,7 +203,7 @@ class TPDriver:
 
     def execute(self, batch: TargetBatch):
         if self.group is not None and self.worker.tp.size > 1:
-            broadcast_message(CMD_STEP, pack_target_batch(batch), self.group, self._wire_device())
+            broadcast_message(CMD_STEP, pack_target_batch(batch), self.group, self.device)
         return self.worker.execute(batch)
 
     def hidden_rows(self, rows):
@@ -209,10 +211,7 @@ class TPDriver:
 
     def stop(self) -> None:
         if self.group is not None and self.worker.tp.size > 1:
-            broadcast_message(CMD_STOP, [], self.group, self._wire_device())
-
-    def _wire_device(self):
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+            broadcast_message(CMD_STOP, [], self.group, self.device)
 
 
 class TargetRank:
@@ -245,11 +244,7 @@ class TargetRank:
         )
 
     def kv_capacity(self, with_local_drafter: bool = False) -> int:
-        workers = [self.worker] + ([self._local_drafter()] if with_local_drafter else [])
-        budget = free_memory_bytes(self.device, self.config.gpu_memory_utilization,
-                                   self.config.cpu_kv_cache_gb * 2**30, sum(w.weight_bytes for w in workers))
-        per_block = sum(w.bytes_per_block(self.config.kv_block_size) for w in workers)
-        return int(budget // per_block)
+        return _kv_capacity(self.config, [self.worker] + ([self._local_drafter()] if with_local_drafter else []))
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
@@ -269,14 +264,11 @@ class TargetRank:
     def serve_follower(self) -> int:
         steps = 0
         while True:
-            cmd, ts = receive_broadcast(self.tp_group, self._wire_device())
+            cmd, ts = receive_broadcast(self.tp_group, self.device)
             if cmd == CMD_STOP:
                 return steps
             self.worker.execute(unpack_target_batch(ts))
             steps += 1
-
-    def _wire_device(self):
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     # rank 0
     def start_engine(self, num_target_blocks: int, num_draft_blocks: int | None, drafter_mode: str,
@@ -324,21 +316,7 @@ class TargetRank:
         return self.loop.get_outputs(cursor, timeout, min_batch_s)
 
     def stats(self) -> dict:
-        core = self.loop.engine
-        sched = core.scheduler
-        pools = {"target": (sched.target_pool.num_free, sched.target_pool.capacity)}
-        if sched.draft_pool is not None:
-            pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
-        return {
-            "num_steps": self.loop.num_steps,
-            "step_time_s": self.loop.step_time_s,
-            "model_time_s": self.loop.model_time_s,
-            "calls": dict(self.calls),
-            "pools": pools,
-            "num_unfinished": self.loop.num_unfinished(),
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-        }
+        return {**self.loop.stats(), "calls": dict(self.calls)}
 
     def shutdown(self) -> None:
         if self.loop is not None:

@@ -43,12 +43,7 @@ class _LocalCore:
         return await asyncio.to_thread(self.loop.get_outputs, cursor, timeout)
 
     def stats(self) -> dict:
-        sched = self.loop.engine.scheduler
-        pools = {"target": (sched.target_pool.num_free, sched.target_pool.capacity)}
-        if sched.draft_pool is not None:
-            pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
-        return {"num_steps": self.loop.num_steps, "pools": pools, "num_unfinished": self.loop.num_unfinished(),
-                "running": len(sched.running), "waiting": len(sched.waiting)}
+        return self.loop.stats()
 
     def shutdown(self):
         self.loop.stop()

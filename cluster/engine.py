@@ -303,8 +303,8 @@ class EngineCore:
         verify_rows, sample_rows = (t.to(dev) for t in logit_rows)
         parts = []
         S = len(decode)
+        G = verify_rows.shape[1] - 1 if S else 0
         if S:
-            G = verify_rows.shape[1] - 1
             st = st_cpu.to(dev)
             starts = torch.tensor([d.request.num_computed for d in decode], device=dev)
             num_drafts = torch.tensor([d.block_len - 1 for d in decode], device=dev)
@@ -326,7 +326,6 @@ class EngineCore:
             first = verify(logits[sample_rows][:, None], no_drafts, zeros, st, starts)
             parts.append(first.bonus)
         host = torch.cat([p.reshape(-1).long() for p in parts]).tolist() if parts else []
-        G = verify_rows.shape[1] - 1 if S else 0
         n_acc, bonus = host[:S], host[S : 2 * S]
         draft_list = host[2 * S : 2 * S + S * G]
         firsts = host[2 * S + S * G :]

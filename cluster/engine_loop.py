@@ -93,6 +93,23 @@ class EngineLoop:
         with self._cv:
             return self._base + len(self._outbox), list(self._outbox)
 
+    def stats(self) -> dict:
+        """Steps and their time, free/total blocks of each pool, queue sizes
+        (read without stopping the loop: a snapshot, not a transaction)."""
+        sched = self.engine.scheduler
+        pools = {"target": (sched.target_pool.num_free, sched.target_pool.capacity)}
+        if sched.draft_pool is not None:
+            pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
+        return {
+            "num_steps": self.num_steps,
+            "step_time_s": self.step_time_s,
+            "model_time_s": self.model_time_s,
+            "pools": pools,
+            "num_unfinished": self.num_unfinished(),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+        }
+
     def num_unfinished(self) -> int:
         with self._cv:
             return len(self._live)

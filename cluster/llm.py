@@ -22,21 +22,19 @@ def resolve_max_model_len(config: EngineConfig, target: TargetSpec) -> int:
     return config.max_model_len
 
 
-def size_kv_pools(config: EngineConfig, workers: list, device) -> int:
+def size_kv_pools(config: EngineConfig, workers: list) -> int:
     """Blocks per pool when the workers share one device: the target pool and
     the drafter context pool cover the same positions, so they get the same
     number of blocks and split the memory by their per-block cost."""
-    from specray.actors.target import free_memory_bytes
+    from specray.actors.target import kv_capacity
 
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = sum(w.bytes_per_block(config.kv_block_size) for w in workers)
-    own = sum(w.weight_bytes for w in workers)
-    budget = free_memory_bytes(device, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, own)
-    n = int(budget // per_block)
+    n = kv_capacity(workers, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, config.kv_block_size)
     if n < 2:
+        per_block = sum(w.bytes_per_block(config.kv_block_size) for w in workers)
         raise MemoryError(
-            f"{budget / 2**20:.0f} MiB left for KV caches holds {n} blocks of {per_block / 2**20:.2f} MiB; "
+            f"~{n * per_block / 2**20:.0f} MiB left for KV caches holds {n} blocks of {per_block / 2**20:.2f} MiB; "
             "lower max_model_len or give the cache more memory"
         )
     return n
@@ -72,7 +70,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
             draft_top_k=config.draft_top_k,
         )
     workers = [w for w in (target, drafter) if w is not None]
-    num_blocks = size_kv_pools(config, workers, target.device)
+    num_blocks = size_kv_pools(config, workers)
     for w in workers:
         w.init_cache(num_blocks, config.kv_block_size)
     core = EngineCore(
