@@ -24,6 +24,14 @@ TINY = dict(
 )
 
 
+def _perturb_norms(model) -> None:
+    """Norm weights away from 1, so that a misplaced norm shows in parity."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+
+
 def make_target(path: Path, arch: str = "qwen3", seed: int = 0, init_std: float = 0.1, **overrides):
     """Save a random HF causal LM under ``path``; return the HF model (fp32,
     eval). A larger init than HF's default keeps argmax margins wide so that
@@ -38,10 +46,7 @@ def make_target(path: Path, arch: str = "qwen3", seed: int = 0, init_std: float 
         config, cls = LlamaConfig(**cfg), LlamaForCausalLM
     config.initializer_range = init_std
     model = cls(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    _perturb_norms(model)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
 
@@ -86,10 +91,7 @@ def make_drafter(
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = DFlashDraftModel(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    _perturb_norms(model)
     model.save_pretrained(str(path), safe_serialization=True)
     # The authors' checkpoints carry these at the top level too.
     cfg = json.loads((path / "config.json").read_text())

@@ -296,25 +296,24 @@ def spec_stats(out: RequestOutput) -> dict:
     }
 
 
-def completion_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
-    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+def _response(rid: str, model: str, obj: str, choice: dict, out: RequestOutput, return_token_ids: bool) -> dict:
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage(out), "system_fingerprint": None, "specray": spec_stats(out)}
     if return_token_ids:
         choice["token_ids"] = list(out.token_ids)
         body["prompt_token_ids"] = list(out.prompt_token_ids)
     return body
+
+
+def completion_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
+    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+    return _response(rid, model, "text_completion", choice, out, return_token_ids)
 
 
 def chat_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
     choice = {"index": 0, "message": {"role": "assistant", "content": out.text, "refusal": None},
               "logprobs": None, "finish_reason": finish_reason(out)}
-    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(out), "system_fingerprint": None, "specray": spec_stats(out)}
-    if return_token_ids:
-        choice["token_ids"] = list(out.token_ids)
-        body["prompt_token_ids"] = list(out.prompt_token_ids)
-    return body
+    return _response(rid, model, "chat.completion", choice, out, return_token_ids)
 
 
 def sse(data: dict | str) -> bytes:
