@@ -53,6 +53,7 @@ class DrafterWorker:
         self.weight_bytes = allocated_bytes(self.device) - before
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self.context_graphs: DecodeGraphs | None = None
         self.max_model_len = max_model_len
 
     def enable_decode_graphs(self, max_seqs: int, block_size: int) -> None:
@@ -78,6 +79,23 @@ class DrafterWorker:
 
         self.graphs = DecodeGraphs(forward, bufs, dict.fromkeys(bufs, 1), pad, max_seqs, dev)
 
+        # Context of a graphed decode step: all B verify rows of each
+        # sequence, the rejected ones pointed at the reserved slot 0, so the
+        # shapes depend on the batch size alone.
+        ctx = {
+            "hidden": torch.zeros(max_seqs * B, self.model.fc.shape[1], dtype=self.dtype, device=dev),
+            "positions": torch.zeros(max_seqs * B, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.zeros(max_seqs * B, dtype=torch.int64, device=dev),
+        }
+
+        def store(n: int):
+            rows = n * B
+            self.model.store_context(ctx["hidden"][:rows], ctx["positions"][:rows], ctx["slot_mapping"][:rows],
+                                     self.kv_cache)
+            return ()
+
+        self.context_graphs = DecodeGraphs(store, ctx, dict.fromkeys(ctx, B), dict.fromkeys(ctx, 0), max_seqs, dev)
+
     def bytes_per_block(self, block_size: int) -> int:
         s = self.spec
         return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
@@ -90,8 +108,14 @@ class DrafterWorker:
 
     @torch.inference_mode()
     def store_context(self, hidden_tapped: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Append accepted positions ``[n]`` to the context KV."""
-        if hidden_tapped.shape[0] == 0:
+        """Append accepted positions ``[n]`` to the context KV. Rows whose
+        slot is 0 (the reserved block) are padding and change nothing."""
+        n = hidden_tapped.shape[0]
+        if n == 0:
+            return
+        g, B = self.context_graphs, self.spec.block_size
+        if g is not None and n % B == 0 and n // B <= g.max_seqs:
+            g.run(n // B, {"hidden": hidden_tapped, "positions": positions, "slot_mapping": slot_mapping})
             return
         self.model.store_context(
             hidden_tapped.to(self.device, non_blocking=True),
@@ -103,13 +127,14 @@ class DrafterWorker:
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DraftOutput:
         dev = self.device
-        ctx_lens = batch.ctx_lens.to(dev, non_blocking=True)
         n = batch.block_ids.shape[0]
         if self.graphs is not None and n <= self.graphs.max_seqs and batch.block_ids.shape[1] == self.spec.block_size:
             (logits,) = self.graphs.run(n, {"block_ids": batch.block_ids, "ctx_lens": batch.ctx_lens,
                                            "block_lens": batch.block_lens, "block_tables": batch.block_tables})
             logits = logits[:n]
+            ctx_lens = self.graphs.buffers["ctx_lens"][:n]
         else:
+            ctx_lens = batch.ctx_lens.to(dev, non_blocking=True)
             hidden = self.model.propose_hidden(
                 batch.block_ids.to(dev, non_blocking=True),
                 ctx_lens,
@@ -119,5 +144,6 @@ class DrafterWorker:
                 self.kv_cache,
             )
             logits = self.model.logits(hidden[:, 1:])
-        tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), ctx_lens, self.draft_top_k)
+        st = batch.sampling if batch.sampling.all_greedy else batch.sampling.to(dev)  # greedy reads no tensors
+        tokens, idx, q = sample_draft_tokens(logits, st, ctx_lens, self.draft_top_k)
         return DraftOutput(tokens, idx, q)

@@ -158,8 +158,10 @@ class TargetWorker:
         self.last_hidden = hidden[:rows] if hidden is not None else None
         return logits[:rows] if logits is not None else None
 
-    def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def hidden_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Tapped hidden states ``[n, k*H]`` of the given rows of the last
-        forward."""
+        forward (all of them for None)."""
         assert self.last_hidden is not None, "the last forward tapped no hidden states"
+        if rows is None:
+            return self.last_hidden
         return self.last_hidden.index_select(0, rows.to(self.device, non_blocking=True))

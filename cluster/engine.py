@@ -197,14 +197,19 @@ class EngineCore:
         batch, draft_dst, draft_src, logit_rows = self._target_batch(decode, plan.prefill)
         if drafts is not None:
             batch.input_ids = batch.input_ids.to(self.device)
-            batch.input_ids[draft_dst.to(self.device)] = drafts.tokens.reshape(-1)[draft_src.to(self.device)]
+            if batch.uniform_rows:
+                # Rows past a cut-short block write to the reserved slot and
+                # are never read, so every row 1.. may take its draft.
+                batch.input_ids.view(len(decode), -1)[:, 1:] = drafts.tokens.to(self.device)
+            else:
+                batch.input_ids[draft_dst.to(self.device)] = drafts.tokens.reshape(-1)[draft_src.to(self.device)]
         self._sync()
         t = time.perf_counter()
         logits = self.target.execute(batch)
         self._sync()
         stats.verify = time.perf_counter() - t
 
-        results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_cpu)
+        results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_cpu, batch.uniform_rows)
         outputs = self._apply(decode, plan.prefill, results, batch)
         stats.total = time.perf_counter() - t0
         self.last_step = stats
@@ -296,17 +301,19 @@ class EngineCore:
         logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
 
-    def _accept(self, decode, prefill, logits, logit_rows, drafts, st_cpu):
+    def _accept(self, decode, prefill, logits, logit_rows, drafts, st_cpu, uniform_rows: int = 0):
         """Accepted counts, emitted bonus tokens and first tokens of
         finished prefills, brought to the host in one transfer."""
         dev = logits.device
-        verify_rows, sample_rows = (t.to(dev) for t in logit_rows)
+        verify_rows, sample_rows = logit_rows
         parts = []
         S = len(decode)
         G = verify_rows.shape[1] - 1 if S else 0
         if S:
-            st = st_cpu.to(dev)
-            starts = torch.tensor([d.request.num_computed for d in decode], device=dev)
+            # Greedy verification reads neither the sampling tensors nor the
+            # start positions: nothing to copy to the device for them.
+            st = st_cpu if st_cpu.all_greedy else st_cpu.to(dev)
+            starts = None if st.all_greedy else torch.tensor([d.request.num_computed for d in decode], device=dev)
             num_drafts = torch.tensor([d.block_len - 1 for d in decode], device=dev)
             if drafts is not None:
                 draft_tokens = drafts.tokens[:, :G].to(dev)
@@ -314,7 +321,11 @@ class EngineCore:
                 q = drafts.draft_q[:, :G].to(dev) if drafts.draft_q is not None else None
             else:
                 draft_tokens, idx, q = torch.zeros(S, 0, dtype=torch.long, device=dev), None, None
-            res = verify(logits[verify_rows], draft_tokens, num_drafts, st, starts, idx, q)
+            if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
+                target_logits = logits.view(S, uniform_rows, -1)[:, : G + 1]
+            else:
+                target_logits = logits[verify_rows.to(dev)]
+            res = verify(target_logits, draft_tokens, num_drafts, st, starts, idx, q)
             parts += [res.num_accepted, res.bonus, draft_tokens.reshape(-1)]
         sampling = [p for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
         if sampling:
@@ -323,7 +334,7 @@ class EngineCore:
             starts = torch.tensor([p.end - 1 for p in sampling], device=dev)
             no_drafts = torch.zeros(len(sampling), 0, dtype=torch.long, device=dev)
             zeros = torch.zeros(len(sampling), dtype=torch.long, device=dev)
-            first = verify(logits[sample_rows][:, None], no_drafts, zeros, st, starts)
+            first = verify(logits[sample_rows.to(dev)][:, None], no_drafts, zeros, st, starts)
             parts.append(first.bonus)
         host = torch.cat([p.reshape(-1).long() for p in parts]).tolist() if parts else []
         n_acc, bonus = host[:S], host[S : 2 * S]
@@ -335,6 +346,7 @@ class EngineCore:
         n_acc, bonus, drafts, firsts = results
         outputs: list[RequestOutput] = []
         ctx_rows, ctx_pos, ctx_slots = [], [], []
+        uniform = batch.uniform_rows
         row = 0
         for s, d in enumerate(decode):
             r = d.request
@@ -342,15 +354,18 @@ class EngineCore:
             emitted = drafts[s][:a] + [bonus[s]]
             produced = self._append(r, emitted)
             r.metrics.record_step(d.block_len - 1, min(a, produced), produced)
+            kept = 0 if r.finished else a + 1
+            if self.drafter is not None:
+                ctx_rows.extend(range(row, row + kept))
+                ctx_pos.extend(range(r.num_computed, r.num_computed + kept))
+                ctx_slots.extend(r.draft_blocks.slots(r.num_computed, r.num_computed + kept))
+                if uniform:  # the drafter stores whole blocks (its graph's shape)
+                    ctx_pos.extend(range(r.num_computed + kept, r.num_computed + uniform))
+                    ctx_slots.extend([0] * (uniform - kept))
             if not r.finished:
-                new_computed = r.num_computed + a + 1
-                if self.drafter is not None:
-                    ctx_rows.extend(range(row, row + a + 1))
-                    ctx_pos.extend(range(r.num_computed, new_computed))
-                    ctx_slots.extend(r.draft_blocks.slots(r.num_computed, new_computed))
-                self.scheduler.commit(r, new_computed)
+                self.scheduler.commit(r, r.num_computed + a + 1)
             outputs.append(self._output(r))
-            row += self.block_size if batch.uniform_rows else d.block_len
+            row += uniform or d.block_len
         first_iter = iter(firsts)
         for p in prefill:
             r = p.request
@@ -364,7 +379,13 @@ class EngineCore:
                 if not r.output_token_ids:
                     self._append(r, [next(first_iter)])
                 outputs.append(self._output(r))
-        if ctx_rows:
+        if uniform and self.drafter is not None:
+            self.drafter.store_context(
+                self.target.hidden_rows(None),
+                torch.tensor(ctx_pos, dtype=torch.int64),
+                torch.tensor(ctx_slots, dtype=torch.int64),
+            )
+        elif ctx_rows:
             rows = torch.tensor(ctx_rows, dtype=torch.int64)
             self.drafter.store_context(
                 self.target.hidden_rows(rows),

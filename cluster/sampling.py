@@ -203,7 +203,7 @@ def verify(
     draft_tokens: torch.Tensor,
     num_drafts: torch.Tensor,
     st: SamplingTensors,
-    start_positions: torch.Tensor,
+    start_positions: torch.Tensor | None,
     draft_idx: torch.Tensor | None = None,
     draft_q: torch.Tensor | None = None,
 ) -> VerifyResult:
@@ -214,7 +214,8 @@ def verify(
     ``draft_tokens`` ``[S, G]`` (block rows 1..G); sequence ``s`` uses only
     its first ``num_drafts[s]`` drafts. Greedy rows accept while the draft
     equals the target argmax; sampled rows run speculative rejection
-    sampling against the sparse draft distribution.
+    sampling against the sparse draft distribution (``start_positions``
+    seeds their uniforms; all-greedy batches may pass None).
     """
     S, G1, V = target_logits.shape
     G = G1 - 1

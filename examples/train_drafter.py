@@ -5,9 +5,11 @@ self-distillation, on one GPU, in a few minutes.
     python examples/train_drafter.py --target ~/.cache/specray/smollm2-135m-instruct \
         --prompts data/prompts/train.jsonl --out runs/drafter --device cuda
 
-Stage 1 (data): the target answers the training prompts itself (HF generate,
-batched, left padded, greedy unless --temperature > 0); the token sequences
-are cached in OUT/data.pt, so a rerun skips this stage.
+Stage 1 (data): with ``--magpie N`` the target first writes N user messages
+itself (sampled from the chat template cut where a user turn starts); then it
+answers those and the file's prompts (greedy unless --temperature > 0), both
+on specray's static-batch, CUDA-graphed generator (examples/selfdistill.py).
+The token sequences are cached in OUT/data.pt, so a rerun skips this stage.
 
 Stage 2 (train): the frozen target runs once over every sequence and the
 tapped hidden states are kept on the device (bf16, ~5.8 KB a token for five
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -83,64 +86,71 @@ def eos_token_ids(target, tok) -> list[int]:
     return ids
 
 
-@torch.inference_mode()
-def generate_data(args, target, tok, device) -> dict:
-    prompts = load_prompts(args.prompts, args.num_prompts)
-    encoded = [chat_ids(tok, m) for m in prompts]
-    eos = eos_token_ids(target, tok)
-    pad = eos[0]
-    eos_t = torch.tensor(eos)
-    sampling = args.temperature > 0
-    gen_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sampling, pad_token_id=pad, eos_token_id=eos)
-    if sampling:
-        gen_kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
-    seqs, prompt_lens, batches = [], [], []
-    t_start, last = time.time(), 0.0
-    n_gen = n_eos = 0
-    for i in range(0, len(encoded), args.gen_batch_size):
-        spent = time.time() - t_start
-        # Stop before a batch that would likely overrun the budget.
-        if i and spent + last > args.gen_time_budget_s:
-            log(f"gen: time budget {args.gen_time_budget_s:.0f}s reached after {i} prompts")
-            break
-        chunk = encoded[i : i + args.gen_batch_size]
-        width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for r, p in enumerate(chunk):  # left padding
-            ids[r, width - len(p) :] = torch.tensor(p)
-            mask[r, width - len(p) :] = 1
-        tb = time.time()
-        out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs)
-        new = out[:, width:].cpu()
-        last = time.time() - tb
-        hit = torch.isin(new, eos_t)
-        # Keep the response up to and including its first EOS.
-        lens = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full((len(chunk),), new.shape[1]))
-        for r, p in enumerate(chunk):
-            seqs.append(torch.tensor(p + new[r, : lens[r]].tolist(), dtype=torch.int32))
-            prompt_lens.append(len(p))
-        toks = int(lens.sum())
-        n_gen += toks
-        n_eos += int(hit.any(1).sum())
-        steps = new.shape[1]
-        batches.append(dict(prompts=len(chunk), tokens=toks, steps=steps, seconds=round(last, 3)))
-        log(
-            f"gen: batch {len(batches)} ({i + len(chunk)}/{len(encoded)} prompts): {toks} tokens, "
-            f"{steps} steps in {last:.1f}s = {1000 * last / max(steps, 1):.1f} ms/step, {toks / last:.0f} tok/s"
-        )
+def magpie_prefix(tok) -> list[int]:
+    """The chat template up to where the user's message would start."""
+    marker = "\u2047MARKER\u2047"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=False)
+    return tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def generate_data(args, tok, eos: list[int], device) -> dict:
+    """Prompts (the file's, plus ``--magpie`` user messages the target writes
+    itself) answered by the target, on specray's bulk generator."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from selfdistill import BulkGenerator
+
+    t_start = time.time()
+    file_prompts = [chat_ids(tok, m) for m in load_prompts(args.prompts, args.num_prompts)]
+    prefix = magpie_prefix(tok) if args.magpie else []
+    max_prompt = max([len(p) for p in file_prompts] + [len(prefix) + args.magpie_max_tokens + 16])
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    gen = BulkGenerator(str(args.target), max_prompt_len=max_prompt,
+                        max_new_tokens=max(args.max_new_tokens, args.magpie_max_tokens),
+                        batch_size=args.gen_batch_size, device=str(device), dtype=dtype)
+    budget = args.gen_time_budget_s
+    magpie = []
+    if args.magpie:
+        t = time.time()
+        gen.max_new = args.magpie_max_tokens
+        raw = gen.generate_all([prefix] * args.magpie, temperature=args.magpie_temperature, top_p=args.magpie_top_p,
+                               stop_ids=eos, seed=args.seed, time_budget_s=budget * args.magpie_budget_frac, log=log)
+        seen = set()
+        for ids in raw:  # a complete, non-trivial, new message
+            if len(ids) < 4 or ids[-1] not in eos:
+                continue
+            text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
+            if len(text) >= 8 and text not in seen:
+                seen.add(text)
+                magpie.append(chat_ids(tok, [{"role": "user", "content": text}]))
+        log(f"magpie: {len(magpie)} usable user messages of {len(raw)} sampled in {time.time() - t:.1f}s")
+    prompts = [p for p in file_prompts + magpie if len(p) <= max_prompt]
+    random.Random(args.seed).shuffle(prompts)
+    gen.max_new = args.max_new_tokens
+    spent = time.time() - t_start
+    answers = gen.generate_all(prompts, temperature=args.temperature, top_p=args.top_p, stop_ids=eos,
+                               seed=args.seed + 1, time_budget_s=max(budget - spent, 1.0), log=log)
+    del gen
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    seqs, prompt_lens, n_gen, n_eos = [], [], 0, 0
+    for p, a in zip(prompts, answers):
+        seqs.append(torch.tensor(p + a, dtype=torch.int32))
+        prompt_lens.append(len(p))
+        n_gen += len(a)
+        n_eos += bool(a) and a[-1] in eos
     gen_s = time.time() - t_start
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     meta = dict(
-        prompts_file=str(args.prompts), target=str(args.target), num_prompts=len(seqs),
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        gen_batch_size=args.gen_batch_size, gen_seconds=round(gen_s, 2), generated_tokens=n_gen,
-        gen_tokens_per_s=round(n_gen / max(gen_s, 1e-9), 1), frac_with_eos=round(n_eos / max(len(seqs), 1), 4),
-        batches=batches,
+        prompts_file=str(args.prompts), target=str(args.target), file_prompts=len(file_prompts),
+        magpie_sampled=args.magpie, magpie_kept=len(magpie), magpie_temperature=args.magpie_temperature,
+        magpie_top_p=args.magpie_top_p, num_prompts=len(seqs), max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, gen_batch_size=args.gen_batch_size,
+        gen_seconds=round(gen_s, 2), generated_tokens=n_gen, gen_tokens_per_s=round(n_gen / max(gen_s, 1e-9), 1),
+        frac_with_eos=round(n_eos / max(len(seqs), 1), 4), generator="specray BulkGenerator (examples/selfdistill.py)",
     )
     log(f"gen: {len(seqs)} responses, {n_gen} tokens in {gen_s:.1f}s ({meta['gen_tokens_per_s']:.0f} tok/s), "
         f"{100 * meta['frac_with_eos']:.0f}% ended with EOS")
-    return dict(tokens=torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int32), lengths=lengths,
+    return dict(tokens=torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int32),
+                lengths=torch.tensor([len(s) for s in seqs], dtype=torch.long),
                 prompt_lens=torch.tensor(prompt_lens, dtype=torch.long), meta=meta)
 
 
@@ -696,12 +706,19 @@ def parse_args(argv=None):
     # stage 1
     a("--num-prompts", type=int, default=0, help="use the first N prompts (0 = all)")
     a("--max-new-tokens", type=int, default=256)
-    a("--gen-batch-size", type=int, default=1024,
-      help="prompts per generate() call (decode is launch-bound: bigger batches cost less per token)")
+    a("--gen-batch-size", type=int, default=1024, help="sequences per static generation batch")
+    a("--magpie", type=int, default=0, help="user messages the target writes itself, added to the prompts")
+    a("--magpie-max-tokens", type=int, default=128)
+    a("--magpie-temperature", type=float, default=1.0)
+    a("--magpie-top-p", type=float, default=1.0)
+    a("--magpie-budget-frac", type=float, default=0.3, help="share of --gen-time-budget-s for writing prompts")
+    a("--max-train-tokens", type=int, default=0,
+      help="use sequences up to this many tokens in all (their features stay on the device); 0 = all")
     a("--gen-time-budget-s", type=float, default=120.0, help="no new generation batch after this")
     a("--temperature", type=float, default=0.0, help="0 = greedy self-distillation")
     a("--top-p", type=float, default=1.0)
     a("--regen", action="store_true", help="ignore a cached OUT/data.pt")
+    a("--gen-only", action="store_true", help="stop after stage 1 (OUT/data.pt)")
     # model
     a("--draft-layers", type=int, default=2)
     a("--intermediate-size", type=int, default=0, help="0 = the target's")
@@ -763,22 +780,35 @@ def main(argv=None):
         log(f"data: reusing {cache} ({len(data['lengths'])} sequences, generated with {data['meta']['max_new_tokens']} "
             f"new tokens, temperature {data['meta']['temperature']})")
     else:
-        data = generate_data(args, target, tok, device)
+        data = generate_data(args, tok, eos_token_ids(target, tok), device)
         torch.save(data, cache)
+    if args.gen_only:
+        return {"data": data["meta"]}
     lengths, prompt_lens = data["lengths"], data["prompt_lens"]
     offsets = torch.cumsum(lengths, 0) - lengths
     tokens = data["tokens"].long()
-    keep = [i for i in range(len(lengths))
-            if lengths[i] - prompt_lens[i] >= 2 and lengths[i] <= args.max_seq_len]
+    keep, total = [], 0
+    for i in range(len(lengths)):
+        if lengths[i] - prompt_lens[i] >= 2 and lengths[i] <= args.max_seq_len:
+            if args.max_train_tokens and total + int(lengths[i]) > args.max_train_tokens:
+                break
+            keep.append(i)
+            total += int(lengths[i])
+    if not keep:
+        raise SystemExit("no usable training sequences (responses need >= 2 tokens)")
+    data_stats = dict(sequences=len(lengths), used=len(keep), tokens_all=int(lengths.sum()))
+    # Only the kept sequences go on: their features are what fills the device.
+    tokens = torch.cat([tokens[offsets[i] : offsets[i] + lengths[i]] for i in keep]) if keep else tokens[:0]
+    lengths, prompt_lens = lengths[keep], prompt_lens[keep]
+    offsets = torch.cumsum(lengths, 0) - lengths
+    keep = list(range(len(keep)))
     resp = (lengths - prompt_lens).float()
-    data_stats = dict(sequences=len(lengths), used=len(keep), tokens=int(lengths.sum()),
+    data_stats.update(tokens=int(lengths.sum()),
                       response_tokens=int(resp.sum()), mean_prompt_len=round(float(prompt_lens.float().mean()), 1),
                       mean_response_len=round(float(resp.mean()), 1), max_len=int(lengths.max()), gen=data["meta"])
     log(f"data: {len(keep)} usable sequences, {data_stats['tokens']} tokens "
         f"(prompt ~{data_stats['mean_prompt_len']}, response ~{data_stats['mean_response_len']}, "
         f"max {data_stats['max_len']})")
-    if not keep:
-        raise SystemExit("no usable training sequences (responses need >= 2 tokens)")
 
     # ---- drafter
     L = tcfg.num_hidden_layers

@@ -29,6 +29,11 @@ def generate(root, drafter, device, dtype, params, **kw):
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
+def acceptance(root, device, params, **kw):
+    llm = LLM(root / "t", root / "d", device=device, dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
+    return [o.metrics.acceptance_lengths for o in llm.generate(PROMPTS, params)]
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_fp32_matches_cpu_and_is_lossless(ckpt, graphs):
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -37,6 +42,8 @@ def test_gpu_fp32_matches_cpu_and_is_lossless(ckpt, graphs):
     gpu_ar = generate(ckpt, False, "cuda", "float32", greedy, cuda_graphs=graphs)
     assert gpu_spec == cpu
     assert gpu_ar == cpu
+    # The drafter saw the same context too (graphed: whole blocks stored).
+    assert acceptance(ckpt, "cuda", greedy, cuda_graphs=graphs) == acceptance(ckpt, "cpu", greedy)
 
 
 def test_gpu_bf16_runs_and_stays_close(ckpt):

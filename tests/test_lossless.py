@@ -110,8 +110,14 @@ def test_staggered_batch_equals_hf_greedy(models, mode):
         assert sum(o.metrics.num_preemptions for o in outs.values()) > 0
 
 
-@pytest.mark.parametrize("vocab,seed,stop", [(24, 2, None), (48, 2, None), (48, 2, "first-output")])
-def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop):
+@pytest.mark.parametrize(
+    "vocab,seed,stop,static",
+    [(24, 2, None, False), (48, 2, None, False), (48, 2, "first-output", False), (48, 2, None, True)],
+)
+def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop, static):
+    """Step by step, the same accepted lengths as the authors' loop; with
+    ``static``, through the padded layout CUDA graphs replay (whole blocks
+    of context stored, rejected rows into the reserved slot)."""
     import dflash.model as dm
 
     dm._cuda_time = time.perf_counter  # the reference times with cuda.synchronize
@@ -127,7 +133,7 @@ def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop):
     r = dm.dflash_generate(ref, hf, torch.tensor([prompt]), n, stop_ids, return_stats=True)
     from specray import LLM
 
-    llm = LLM(tmp_path / "t", tmp_path / "d", max_model_len=256)
+    llm = LLM(tmp_path / "t", tmp_path / "d", max_model_len=256, cuda_graphs=static)
     out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop_token_ids=stop_ids))[0]
     assert out.token_ids == r.output_ids[0, len(prompt):].tolist()
     assert out.metrics.acceptance_lengths == r.acceptance_lengths

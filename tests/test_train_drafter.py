@@ -6,6 +6,7 @@ checkpoint loads in the reference and in specray, and a tiny end-to-end run
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,11 @@ def test_end_to_end_tiny(tmp_path, capsys):
     argv = ["--target", str(tmp_path / "t"), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
             "--max-new-tokens", "12", "--gen-batch-size", "4", "--batch-seqs", "2", "--anchors", "4",
             "--block-size", "8", "--max-steps", "6", "--log-every", "2", "--warmup-steps", "2",
-            "--intermediate-size", "96"]
+            "--intermediate-size", "96", "--magpie", "5", "--magpie-max-tokens", "6"]
     summary = td.main(argv)
-    assert summary["steps"] == 6 and summary["data"]["sequences"] == 6
+    gen = summary["data"]["gen"]
+    assert gen["magpie_sampled"] == 5 and gen["file_prompts"] == 6
+    assert summary["steps"] == 6 and summary["data"]["sequences"] == 6 + gen["magpie_kept"]
     assert summary["architecture"]["mask_token_id"] == 329
     logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2, 4, 6] and all("val_ce" in r for r in logs)
@@ -137,8 +140,28 @@ def test_end_to_end_tiny(tmp_path, capsys):
     assert json.loads((out / "training.json").read_text())["steps"] == 6
     # A rerun reuses the generated data.
     mtime = (out / "data.pt").stat().st_mtime
-    td.main(argv[:-8] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96"])
+    td.main(argv[:-12] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96"])
     assert (out / "data.pt").stat().st_mtime == mtime
     assert "data: reusing" in capsys.readouterr().out
     out_spec = LLM(str(tmp_path / "t"), str(out)).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(out_spec[0].token_ids) == 8 or out_spec[0].finish_reason == "stop"
+
+
+def test_bulk_generator_matches_hf_greedy(tmp_path):
+    """The self-distillation generator (static batches, padded graph layout,
+    chunked prefill) gives HF's greedy tokens, cut after the first stop id."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from selfdistill import BulkGenerator
+
+    hf = make_target(tmp_path / "t", arch="llama", seed=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 5)]
+    bulk = BulkGenerator(str(tmp_path / "t"), max_prompt_len=32, max_new_tokens=10, batch_size=4,
+                         device="cpu", dtype="float32", prefill_tokens=24)
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    stop = ref[1][4]  # a token the second prompt emits: its answer ends there
+    got = bulk.generate_all(prompts, temperature=0.0, top_p=1.0, stop_ids=[stop], seed=0, time_budget_s=1e9,
+                            log=lambda m: None)
+    want = [r[: r.index(stop) + 1] if stop in r else r for r in ref]
+    assert got == want and len(got[1]) == 5
