@@ -54,16 +54,16 @@ def unpack_target_batch(ts: list[torch.Tensor]) -> TargetBatch:
 
 def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
     st = b.sampling
-    meta = torch.tensor([b.max_ctx_len, int(st.all_greedy)], dtype=torch.int64)
+    meta = torch.tensor([b.max_ctx_len, int(st.all_greedy), int(st.any_filter)], dtype=torch.int64)
     return [b.block_ids, b.ctx_lens, b.block_lens, b.block_tables, st.temperature, st.top_p, st.top_k,
             st.seeds, meta]
 
 
 def unpack_draft_batch(ts: list[torch.Tensor]) -> DraftBatch:
     block_ids, ctx_lens, block_lens, tables, temp, top_p, top_k, seeds, meta = ts
-    max_ctx, all_greedy = meta.tolist()
+    max_ctx, all_greedy, any_filter = meta.tolist()
     return DraftBatch(block_ids, ctx_lens, block_lens, tables, max_ctx,
-                      SamplingTensors(temp, top_p, top_k, seeds, bool(all_greedy)))
+                      SamplingTensors(temp, top_p, top_k, seeds, bool(all_greedy), bool(any_filter)))
 
 
 def pack_draft_output(o: DraftOutput) -> list[torch.Tensor]:

@@ -98,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
     prompts = [text for _, text in rows]
     block = spec.engine.block_size
-    # Warm both engines (allocator, kernels) outside the timed runs.
-    warm = SamplingParams(max_tokens=8, temperature=0)
-    spec.generate(prompts[:1], warm)
-    ar.generate(prompts[:1], warm)
+    # Warm both engines outside the timed runs, at every temperature: the
+    # sampling path loads kernels of its own on first use.
+    for temp in sorted(set(args.temperatures) | {0.0}):
+        warm = SamplingParams(max_tokens=8, temperature=temp, seed=args.seed)
+        spec.generate(prompts[:1], warm)
+        ar.generate(prompts[:1], warm)
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
                "cuda_graphs": args.cuda_graphs,
                "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}

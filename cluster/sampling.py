@@ -82,6 +82,9 @@ class SamplingTensors:
     top_k: torch.Tensor  # [S] int64; 0 = off
     seeds: torch.Tensor  # [S] int64
     all_greedy: bool = field(default=True)
+    # Some row has top-k or top-p < 1: without them a plain softmax is the
+    # distribution, and the full-vocabulary sort is skipped.
+    any_filter: bool = field(default=True)
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
@@ -91,6 +94,7 @@ class SamplingTensors:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
             all_greedy=all(p.greedy for p in params),
+            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
         )
 
     def to(self, device) -> "SamplingTensors":
@@ -100,6 +104,7 @@ class SamplingTensors:
             self.top_k.to(device),
             self.seeds.to(device),
             self.all_greedy,
+            self.any_filter,
         )
 
 
@@ -145,6 +150,18 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int 
     temp, top_p, top_k = expand(st.temperature), expand(st.top_p), expand(st.top_k)
     greedy = temp == 0
     scores = logits.float() / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    if not st.any_filter:
+        probs = scores.softmax(-1)
+    else:
+        probs = _top_k_top_p(scores, top_k, top_p)
+    # Unconditional: testing greedy.any() would wait for the device.
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], onehot, probs)
+
+
+def _top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Softmax restricted to the top-k (0: all), then to the smallest
+    prefix whose mass reaches top-p, renormalised."""
     V = scores.shape[-1]
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=scores.device)[None]
@@ -154,11 +171,7 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int 
     keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]
     sorted_probs = sorted_probs * keep
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
-    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    if greedy.any():
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], onehot, probs)
-    return probs
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
 def sparse_draft(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,3 +102,25 @@ def test_engine_emits_the_target_joint_distribution(tmp_path):
     for a, b, c in seqs:
         cells[(a * V + b) * V + c] += 1
     assert chi2_p(cells, joint.reshape(-1).numpy()) > 1e-3
+
+
+def test_unfiltered_rows_skip_the_sort_and_keep_the_softmax():
+    """Without top-k / top-p the distribution is the plain softmax at the
+    row's temperature (no sort), mixed freely with greedy rows."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g) * 3
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.5, 0.0, 2.0)]
+    st = SamplingTensors.build(params, [0, 1, 2, 3], "cpu")
+    assert not st.any_filter and not st.all_greedy
+    probs = filtered_probs(logits, st)
+    temps = torch.tensor([1.0, 0.5, 1.0, 2.0])[:, None]
+    want = (logits / temps).softmax(-1)
+    want[2] = torch.nn.functional.one_hot(logits[2].argmax(), 50).float()
+    torch.testing.assert_close(probs, want)
+    # The sorting path agrees where its filter keeps (almost) everything.
+    sorted_path = SamplingTensors.build(params, [0, 1, 2, 3], "cpu")
+    sorted_path.any_filter = True
+    torch.testing.assert_close(filtered_probs(logits, sorted_path), want, atol=1e-6, rtol=0)
+    assert SamplingTensors.build([SamplingParams(top_p=0.9)], [0], "cpu").any_filter
+    assert SamplingTensors.build([SamplingParams(top_k=5)], [0], "cpu").any_filter
+    assert not SamplingTensors.build([SamplingParams(temperature=0.0, top_k=5)], [0], "cpu").any_filter
