@@ -160,7 +160,16 @@ class LLM:
             from specray.async_engine import generate_sync
 
             return generate_sync(self._core, prompts, params)
-        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs, bad = [], []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                reqs.append(self.engine.make_request(p, sp))
+            except ValueError as e:
+                bad.append((i, str(e)))
+        if bad:
+            from specray.async_engine import refused_message
+
+            raise ValueError(refused_message(bad))
         for r in reqs:
             self.engine.admit(r)
         done: dict[str, RequestOutput] = {}

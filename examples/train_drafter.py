@@ -3,7 +3,13 @@
 self-distillation, on one GPU, in a few minutes.
 
     python examples/train_drafter.py --target ~/.cache/specray/smollm2-135m-instruct \
+        --prompts data/prompts/train.jsonl --out runs/drafter --device cuda --gen-only
+    python examples/train_drafter.py --target ~/.cache/specray/smollm2-135m-instruct \
         --prompts data/prompts/train.jsonl --out runs/drafter --device cuda
+
+The defaults are the shipped drafter's recipe (its training.json lists every
+argument); the two calls fit the GPU machine's 10-minute command limit
+(~155 s of data, then ~545 s of features and training on the cached data).
 
 Stage 1 (data): with ``--magpie N`` the target first writes N user messages
 itself (sampled from the chat template cut where a user turn starts); then it
@@ -21,6 +27,16 @@ inference sees after ``a`` tokens are accepted. All blocks of a sequence go
 through the drafter in one forward with one dense boolean mask over
 [context ; all blocks]. Loss: cross-entropy of rows 1..B-1 through the
 target's lm_head, weighted by exp(-(k-1)/gamma).
+
+Why not SpecForge or vLLM's speculators (both train DFlash drafters): they
+take their hidden states from a running SGLang / vLLM server (or from data
+that server wrote), their data recipes read hub datasets, and their
+checkpoints need converting to the authors' layout. The GPU machine here has
+neither server nor network, and what one call can carry is ~64 MB. This
+script needs only torch + transformers, generates its data with specray's
+own engine code (so it is exactly what specray's greedy decoding emits),
+and writes the authors' format, tested against their forward
+(tests/test_train_drafter.py).
 
 OUT/ ends up a drafter in the DFlash authors' format (config.json +
 model.safetensors in bf16, no embedding / lm_head) that
@@ -93,6 +109,21 @@ def magpie_prefix(tok) -> list[int]:
     return tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
 
 
+def eval_index(path: str):
+    """The committed prompt sets' near-duplicate rule (normalized equality or
+    word-trigram Jaccard >= 0.5, data/prompts/make_train_prompts.py) over
+    the prompts in ``path``; None without a path."""
+    if not path:
+        return None
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "data" / "prompts" / "make_train_prompts.py"
+    spec = importlib.util.spec_from_file_location("make_train_prompts", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.EvalIndex(mod.load_eval(Path(path)))
+
+
 def generate_data(args, tok, eos: list[int], device) -> dict:
     """Prompts (the file's, plus ``--magpie`` user messages the target writes
     itself) answered by the target, on specray's bulk generator."""
@@ -114,15 +145,24 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
         gen.max_new = args.magpie_max_tokens
         raw = gen.generate_all([prefix] * args.magpie, temperature=args.magpie_temperature, top_p=args.magpie_top_p,
                                stop_ids=eos, seed=args.seed, time_budget_s=budget * args.magpie_budget_frac, log=log)
-        seen = set()
-        for ids in raw:  # a complete, non-trivial, new message
+        held_out = eval_index(args.exclude_prompts)
+        seen, near_eval, texts = set(), 0, []
+        for ids in raw:  # a complete, non-trivial, new message, not near an eval prompt
             if len(ids) < 4 or ids[-1] not in eos:
                 continue
             text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
-            if len(text) >= 8 and text not in seen:
-                seen.add(text)
-                magpie.append(chat_ids(tok, [{"role": "user", "content": text}]))
-        log(f"magpie: {len(magpie)} usable user messages of {len(raw)} sampled in {time.time() - t:.1f}s")
+            if len(text) < 8 or text in seen:
+                continue
+            seen.add(text)
+            if held_out is not None and held_out.near(text):
+                near_eval += 1
+                continue
+            texts.append(text)
+            magpie.append(chat_ids(tok, [{"role": "user", "content": text}]))
+        with open(Path(args.out) / "magpie_prompts.jsonl", "w") as f:
+            f.writelines(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts)
+        log(f"magpie: {len(magpie)} usable user messages of {len(raw)} sampled in {time.time() - t:.1f}s "
+            f"({near_eval} dropped as near-duplicates of {args.exclude_prompts or 'no held-out set'})")
     prompts = [p for p in file_prompts + magpie if len(p) <= max_prompt]
     random.Random(args.seed).shuffle(prompts)
     gen.max_new = args.max_new_tokens
@@ -142,7 +182,7 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
     meta = dict(
         prompts_file=str(args.prompts), target=str(args.target), file_prompts=len(file_prompts),
         magpie_sampled=args.magpie, magpie_kept=len(magpie), magpie_temperature=args.magpie_temperature,
-        magpie_top_p=args.magpie_top_p, num_prompts=len(seqs), max_new_tokens=args.max_new_tokens,
+        magpie_top_p=args.magpie_top_p, magpie_excluded_near=args.exclude_prompts, num_prompts=len(seqs), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, gen_batch_size=args.gen_batch_size,
         gen_seconds=round(gen_s, 2), generated_tokens=n_gen, gen_tokens_per_s=round(n_gen / max(gen_s, 1e-9), 1),
         frac_with_eos=round(n_eos / max(len(seqs), 1), 4), generator="specray BulkGenerator (examples/selfdistill.py)",
@@ -699,7 +739,7 @@ def parse_args(argv=None):
     a("--out", required=True, help="output directory (drafter checkpoint, data.pt, logs)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a("--seed", type=int, default=0)
-    a("--time-budget-s", type=float, default=330.0,
+    a("--time-budget-s", type=float, default=555.0,
       help="wall budget from script start for generation + features + training (training stops "
            "--reserve-s before it)")
     a("--reserve-s", type=float, default=8.0, help="kept for the final save and summary")
@@ -707,14 +747,16 @@ def parse_args(argv=None):
     a("--num-prompts", type=int, default=0, help="use the first N prompts (0 = all)")
     a("--max-new-tokens", type=int, default=256)
     a("--gen-batch-size", type=int, default=1024, help="sequences per static generation batch")
-    a("--magpie", type=int, default=0, help="user messages the target writes itself, added to the prompts")
+    a("--magpie", type=int, default=60000, help="user messages the target writes itself, added to the prompts")
     a("--magpie-max-tokens", type=int, default=128)
     a("--magpie-temperature", type=float, default=1.0)
     a("--magpie-top-p", type=float, default=1.0)
     a("--magpie-budget-frac", type=float, default=0.3, help="share of --gen-time-budget-s for writing prompts")
-    a("--max-train-tokens", type=int, default=0,
+    a("--exclude-prompts", default=str(Path(__file__).resolve().parents[1] / "data" / "prompts" / "eval.jsonl"),
+      help="drop self-written messages that near-duplicate these prompts ('' = keep all)")
+    a("--max-train-tokens", type=int, default=12_000_000,
       help="use sequences up to this many tokens in all (their features stay on the device); 0 = all")
-    a("--gen-time-budget-s", type=float, default=120.0, help="no new generation batch after this")
+    a("--gen-time-budget-s", type=float, default=270.0, help="no new generation batch after this")
     a("--temperature", type=float, default=0.0, help="0 = greedy self-distillation")
     a("--top-p", type=float, default=1.0)
     a("--regen", action="store_true", help="ignore a cached OUT/data.pt")
@@ -728,16 +770,16 @@ def parse_args(argv=None):
     a("--init", choices=("target", "random"), default="target")
     a("--max-ckpt-mb", type=float, default=20.0)
     # training
-    a("--batch-seqs", type=int, default=64, help="sequences per step")
-    a("--anchors", type=int, default=32, help="blocks per sequence per step")
+    a("--batch-seqs", type=int, default=96, help="sequences per step")
+    a("--anchors", type=int, default=24, help="blocks per sequence per step")
     a("--lr", type=float, default=6e-4)
     a("--min-lr-ratio", type=float, default=0.1)
-    a("--warmup-steps", type=int, default=100)
+    a("--warmup-steps", type=int, default=200)
     a("--weight-decay", type=float, default=0.01)
     a("--clip", type=float, default=1.0)
     a("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block row k")
     a("--max-steps", type=int, default=0, help="0 = until the time budget")
-    a("--log-every", type=int, default=50)
+    a("--log-every", type=int, default=100)
     a("--save-every-s", type=float, default=30.0, help="periodic save when there is no validation set")
     a("--val-frac", type=float, default=0.02)
     a("--max-seq-len", type=int, default=2048)

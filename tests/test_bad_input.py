@@ -137,3 +137,15 @@ def test_engine_config_errors(ckpt):
         LLM(root / "t", num_kv_blocks=3, kv_block_size=4)
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         LLM(root / "t").generate([[1], [2]], [SamplingParams()])
+
+
+def test_batch_with_bad_prompts_names_each_and_runs_none(ckpt):
+    root, _ = ckpt
+    llm = LLM(root / "t", root / "d", num_kv_blocks=64)
+    with pytest.raises(ValueError) as err:
+        llm.generate([[5, 6], [], [7], [5, 10_000]], SamplingParams(max_tokens=4))
+    msg = str(err.value)
+    assert msg.startswith("2 prompt(s) refused, nothing generated")
+    assert "prompt 1: prompt is empty" in msg and "prompt 3: prompt token ids [10000]" in msg
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=4))[0].token_ids) == 4

@@ -132,6 +132,8 @@ def test_end_to_end_tiny(tmp_path, capsys):
     gen = summary["data"]["gen"]
     assert gen["magpie_sampled"] == 5 and gen["file_prompts"] == 6
     assert summary["steps"] == 6 and summary["data"]["sequences"] == 6 + gen["magpie_kept"]
+    written = (out / "magpie_prompts.jsonl").read_text().splitlines()
+    assert len(written) == gen["magpie_kept"]
     assert summary["architecture"]["mask_token_id"] == 329
     logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2, 4, 6] and all("val_ce" in r for r in logs)
@@ -165,3 +167,12 @@ def test_bulk_generator_matches_hf_greedy(tmp_path):
                             log=lambda m: None)
     want = [r[: r.index(stop) + 1] if stop in r else r for r in ref]
     assert got == want and len(got[1]) == 5
+
+
+def test_self_written_prompts_near_eval_are_dropped():
+    index = td.eval_index(str(ROOT / "data" / "prompts" / "eval.jsonl"))
+    first = json.loads((ROOT / "data" / "prompts" / "eval.jsonl").read_text().splitlines()[0])
+    text = first["messages"][-1]["content"]
+    assert index.near(text.upper().replace("?", "!"))
+    assert not index.near("Write a limerick about a cat who learns to play the trumpet.")
+    assert td.eval_index("") is None
