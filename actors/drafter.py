@@ -96,6 +96,12 @@ class DrafterWorker:
 
         self.context_graphs = DecodeGraphs(store, ctx, dict.fromkeys(ctx, B), dict.fromkeys(ctx, 0), max_seqs, dev)
 
+    @property
+    def stores_whole_blocks(self) -> bool:
+        """Takes the context of a graphed decode step as whole verify blocks
+        (rejected rows pointed at slot 0)."""
+        return self.context_graphs is not None
+
     def bytes_per_block(self, block_size: int) -> int:
         s = self.spec
         return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize

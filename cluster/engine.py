@@ -347,6 +347,10 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         ctx_rows, ctx_pos, ctx_slots = [], [], []
         uniform = batch.uniform_rows
+        # An in-process drafter with a context graph takes whole verify blocks
+        # (its graph's shape); a remote one gets only the accepted rows, so the
+        # channel carries no padding.
+        whole = uniform and getattr(self.drafter, "stores_whole_blocks", False)
         row = 0
         for s, d in enumerate(decode):
             r = d.request
@@ -359,7 +363,7 @@ class EngineCore:
                 ctx_rows.extend(range(row, row + kept))
                 ctx_pos.extend(range(r.num_computed, r.num_computed + kept))
                 ctx_slots.extend(r.draft_blocks.slots(r.num_computed, r.num_computed + kept))
-                if uniform:  # the drafter stores whole blocks (its graph's shape)
+                if whole:
                     ctx_pos.extend(range(r.num_computed + kept, r.num_computed + uniform))
                     ctx_slots.extend([0] * (uniform - kept))
             if not r.finished:
@@ -379,7 +383,7 @@ class EngineCore:
                 if not r.output_token_ids:
                     self._append(r, [next(first_iter)])
                 outputs.append(self._output(r))
-        if uniform and self.drafter is not None:
+        if whole:
             self.drafter.store_context(
                 self.target.hidden_rows(None),
                 torch.tensor(ctx_pos, dtype=torch.int64),
