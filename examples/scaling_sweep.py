@@ -17,6 +17,7 @@ fed from threads of this process.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import threading
@@ -128,7 +129,8 @@ def run_point(llms: list, concurrency: int, max_tokens: int, vocab: int) -> dict
 
 
 def sweep(args) -> dict:
-    from specray import LLM, SamplingParams
+    import ray
+
     from specray.placement import ensure_ray
 
     target, drafter = args.target, args.drafter
@@ -136,33 +138,43 @@ def sweep(args) -> dict:
         target, drafter = random_checkpoints(Path(args.ckpt_dir), args.shape)
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     have = torch.cuda.device_count() if args.device != "cpu" else None
+    started_ray = not ray.is_initialized()
     ensure_ray()
-    points = []
-    for tp in args.tp:
-        for placement in args.placement:
-            for replicas in args.replicas:
-                need = gpus_needed(tp, placement, replicas)
-                base = {"tp": tp, "placement": placement, "replicas": replicas, "gpus": need if have is not None else 0}
-                if have is not None and need > have:
-                    points.append({**base, "skipped": f"needs {need} GPUs, {have} here"})
-                    print(points[-1])
-                    continue
-                for mode, d in (("spec", drafter), ("ar", None)):
-                    llms = [LLM(target, d, device=args.device, backend="ray", tensor_parallel_size=tp,
-                                drafter_placement=placement, max_model_len=args.max_model_len,
-                                max_num_seqs=max(args.concurrency)) for _ in range(replicas)]
-                    try:
-                        for llm in llms:  # warm-up: allocator, kernels, first steps
-                            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
-                        for c in args.concurrency:
-                            res = run_point(llms, c, args.max_tokens, vocab)
-                            points.append({**base, "mode": mode, "concurrency": c, **res})
-                            print(points[-1])
-                    finally:
-                        for llm in llms:
-                            llm.shutdown()
+    try:
+        points = sweep_points(args, target, drafter, vocab, have)
+    finally:
+        if started_ray:  # stop what we started
+            ray.shutdown()
     return {"target": target, "drafter": drafter, "device": args.device, "max_tokens": args.max_tokens,
             "gpus_here": have, "points": points}
+
+
+def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None) -> list[dict]:
+    from specray import LLM, SamplingParams
+
+    points = []
+    for tp, placement, replicas in itertools.product(args.tp, args.placement, args.replicas):
+        need = gpus_needed(tp, placement, replicas)
+        base = {"tp": tp, "placement": placement, "replicas": replicas, "gpus": need if have is not None else 0}
+        if have is not None and need > have:
+            points.append({**base, "skipped": f"needs {need} GPUs, {have} here"})
+            print(points[-1])
+            continue
+        for mode, d in (("spec", drafter), ("ar", None)):
+            llms = [LLM(target, d, device=args.device, backend="ray", tensor_parallel_size=tp,
+                        drafter_placement=placement, max_model_len=args.max_model_len,
+                        max_num_seqs=max(args.concurrency)) for _ in range(replicas)]
+            try:
+                for llm in llms:  # warm-up: allocator, kernels, first steps
+                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+                for c in args.concurrency:
+                    points.append({**base, "mode": mode, "concurrency": c,
+                                   **run_point(llms, c, args.max_tokens, vocab)})
+                    print(points[-1])
+            finally:
+                for llm in llms:
+                    llm.shutdown()
+    return points
 
 
 def plot(report: dict, path: str) -> bool:

@@ -102,11 +102,28 @@ def eos_token_ids(target, tok) -> list[int]:
     return ids
 
 
-def magpie_prefix(tok) -> list[int]:
-    """The chat template up to where the user's message would start."""
+def magpie_prefix(tok, system: str | None = None) -> list[int]:
+    """The chat template up to where the user's message would start, after
+    ``system`` (which steers what the user asks) or the template's default."""
     marker = "\u2047MARKER\u2047"
-    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=False)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     return tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def magpie_prefixes(tok, n: int, systems_file: str, seed: int) -> list[list[int]]:
+    """``n`` prefixes; with a file of system prompts (one a line) each takes
+    one at random, so the self-written messages spread over its topics. The
+    answers are generated without it (the template's default), as users
+    would send them."""
+    if not systems_file:
+        return [magpie_prefix(tok)] * n
+    systems = [line.strip() for line in Path(systems_file).read_text().splitlines() if line.strip()]
+    if not systems:
+        raise SystemExit(f"{systems_file}: no system prompts")
+    options = [magpie_prefix(tok, sp) for sp in systems]
+    rng = random.Random(seed)
+    return [rng.choice(options) for _ in range(n)]
 
 
 def eval_index(path: str):
@@ -132,8 +149,9 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
 
     t_start = time.time()
     file_prompts = [chat_ids(tok, m) for m in load_prompts(args.prompts, args.num_prompts)]
-    prefix = magpie_prefix(tok) if args.magpie else []
-    max_prompt = max([len(p) for p in file_prompts] + [len(prefix) + args.magpie_max_tokens + 16])
+    prefixes = magpie_prefixes(tok, args.magpie, args.magpie_systems, args.seed) if args.magpie else []
+    longest_prefix = max(map(len, prefixes), default=0)
+    max_prompt = max([len(p) for p in file_prompts] + [longest_prefix + args.magpie_max_tokens + 16])
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     gen = BulkGenerator(str(args.target), max_prompt_len=max_prompt,
                         max_new_tokens=max(args.max_new_tokens, args.magpie_max_tokens),
@@ -143,7 +161,7 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
     if args.magpie:
         t = time.time()
         gen.max_new = args.magpie_max_tokens
-        raw = gen.generate_all([prefix] * args.magpie, temperature=args.magpie_temperature, top_p=args.magpie_top_p,
+        raw = gen.generate_all(prefixes, temperature=args.magpie_temperature, top_p=args.magpie_top_p,
                                stop_ids=eos, seed=args.seed, time_budget_s=budget * args.magpie_budget_frac, log=log)
         held_out = eval_index(args.exclude_prompts)
         seen, near_eval, texts = set(), 0, []
@@ -182,7 +200,8 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
     meta = dict(
         prompts_file=str(args.prompts), target=str(args.target), file_prompts=len(file_prompts),
         magpie_sampled=args.magpie, magpie_kept=len(magpie), magpie_temperature=args.magpie_temperature,
-        magpie_top_p=args.magpie_top_p, magpie_excluded_near=args.exclude_prompts, num_prompts=len(seqs), max_new_tokens=args.max_new_tokens,
+        magpie_top_p=args.magpie_top_p, magpie_systems=args.magpie_systems,
+        magpie_excluded_near=args.exclude_prompts, num_prompts=len(seqs), max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, gen_batch_size=args.gen_batch_size,
         gen_seconds=round(gen_s, 2), generated_tokens=n_gen, gen_tokens_per_s=round(n_gen / max(gen_s, 1e-9), 1),
         frac_with_eos=round(n_eos / max(len(seqs), 1), 4), generator="specray BulkGenerator (examples/selfdistill.py)",
@@ -468,12 +487,20 @@ def init_drafter(drafter: Drafter, target, taps, mode: str, calib_seqs, device) 
 
 
 @torch.inference_mode()
-def compute_features(target, tokens, lengths, offsets, taps, device, budget_tokens) -> torch.Tensor:
+def compute_features(target, tokens, lengths, offsets, taps, device, budget_tokens, soft_k: int = 0):
     """Tapped hidden states of every position of every sequence, flat
-    [total_tokens, k*H], in the target's dtype, on ``device``. Right padding
-    needs no mask: causal attention never lets a real token see a pad."""
+    [total_tokens, k*H], in the target's dtype, on ``device``; with
+    ``soft_k``, also the target's top-``soft_k`` next-token log-probs and
+    their ids at every position (``[total_tokens, soft_k]`` bf16 / int32),
+    else None. Right padding needs no mask: causal attention never lets a
+    real token see a pad."""
     H = target.config.hidden_size
-    feats = torch.empty(int(lengths.sum()), len(taps) * H, dtype=target.dtype, device=device)
+    total = int(lengths.sum())
+    feats = torch.empty(total, len(taps) * H, dtype=target.dtype, device=device)
+    soft = None
+    if soft_k:
+        soft = (torch.empty(total, soft_k, dtype=torch.bfloat16, device=device),
+                torch.empty(total, soft_k, dtype=torch.int32, device=device))
     order = torch.argsort(lengths, descending=True).tolist()
     lengths, offsets = lengths.tolist(), offsets.tolist()
     i = 0
@@ -488,8 +515,15 @@ def compute_features(target, tokens, lengths, offsets, taps, device, budget_toke
         f = torch.cat([hs[t + 1] for t in taps], -1)
         for r, s in enumerate(idx):
             feats[offsets[s] : offsets[s] + lengths[s]] = f[r, : lengths[s]]
+            if soft is not None:  # hidden_states[-1] is after the final norm
+                for a in range(0, lengths[s], 4096):
+                    b = min(a + 4096, lengths[s])
+                    logp = target.lm_head(hs[-1][r, a:b]).float().log_softmax(-1)
+                    top, top_ids = logp.topk(soft_k, dim=-1)
+                    soft[0][offsets[s] + a : offsets[s] + b] = top
+                    soft[1][offsets[s] + a : offsets[s] + b] = top_ids
         i += len(idx)
-    return feats
+    return feats, soft
 
 
 def batch_order(train_idx: list[int], lengths: torch.Tensor, n: int, rng: random.Random):
@@ -512,10 +546,11 @@ def batch_order(train_idx: list[int], lengths: torch.Tensor, n: int, rng: random
 class Batcher:
     """Gathers a batch of sequences (tokens + features) on the device."""
 
-    def __init__(self, tokens, feats, lengths, prompt_lens, offsets, device, pad_multiple=64):
+    def __init__(self, tokens, feats, lengths, prompt_lens, offsets, device, pad_multiple=64, soft=None):
         self.dev = torch.device(device)
         self.tokens = tokens.to(self.dev, torch.long)
         self.feats = feats
+        self.soft = soft
         self.lengths, self.prompt_lens, self.offsets = lengths, prompt_lens, offsets
         self.L = lengths.to(self.dev)
         self.P = prompt_lens.to(self.dev)
@@ -531,7 +566,8 @@ class Batcher:
         idx = idx.to(self.dev, non_blocking=True)  # no host sync per step
         L, P = self.L[idx], self.P[idx]
         pos = torch.minimum(torch.arange(T, device=self.dev)[None], L[:, None] - 1) + self.O[idx][:, None]
-        return self.tokens[pos], self.feats[pos], L, P
+        soft = (self.soft[0][pos], self.soft[1][pos]) if self.soft is not None else None
+        return self.tokens[pos], self.feats[pos], L, P, soft
 
 
 def sample_anchors(L, P, K, generator=None):
@@ -542,8 +578,13 @@ def sample_anchors(L, P, K, generator=None):
     return P[:, None] + (u * (L - 1 - P)[:, None]).long()
 
 
-def block_loss(drafter, embed, lm_head, toks, feats, L, anchors, mask_id, decay, amp_dtype):
-    """Weighted CE over rows 1..B-1 plus detached statistics."""
+def block_loss(drafter, embed, lm_head, toks, feats, L, anchors, mask_id, decay, amp_dtype, soft=None,
+               soft_weight: float = 0.0):
+    """Weighted CE over rows 1..B-1 plus detached statistics. With ``soft``
+    (the target's top-k log-probs and ids ``[N, T, k]`` at every position),
+    the loss mixes in ``soft_weight`` of the cross-entropy against the
+    target's own next-token distribution (renormalised over its top k),
+    which says how close the runners-up were, not just which token won."""
     T = toks.shape[1]
     B = drafter.block_size
     rows = anchors[..., None] + torch.arange(B, device=toks.device)  # [N, K, B]
@@ -555,9 +596,20 @@ def block_loss(drafter, embed, lm_head, toks, feats, L, anchors, mask_id, decay,
         h = drafter(feats, F.embedding(block, embed).float(), anchors)
         logits = F.linear(h[:, :, 1:], lm_head)
     labels, lv = tok[..., 1:], valid[..., 1:]
-    ce = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
+    lf = logits.float()
+    lse = torch.logsumexp(lf, -1)
+    ce = lse - lf.gather(-1, labels[..., None]).squeeze(-1)
     w = decay * lv
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    if soft is not None and soft_weight > 0:
+        # Row k predicts position a+k: the target's distribution for it sits
+        # at position a+k-1.
+        at = (rows[..., 1:] - 1).clamp(max=T - 1).flatten(1)  # [N, K*(B-1)]
+        k = soft[0].shape[-1]
+        t_logp = soft[0].gather(1, at[..., None].expand(-1, -1, k)).view(*labels.shape, k).float()
+        t_ids = soft[1].gather(1, at[..., None].expand(-1, -1, k)).view(*labels.shape, k).long()
+        soft_ce = -(t_logp.softmax(-1) * (lf.gather(-1, t_ids) - lse[..., None])).sum(-1)
+        loss = (1 - soft_weight) * loss + soft_weight * (soft_ce * w).sum() / w.sum().clamp_min(1e-6)
     with torch.no_grad():
         match = (logits.argmax(-1) == labels) & lv
         # Rows past the sequence end count as misses, so the accepted
@@ -613,7 +665,7 @@ def train(args, drafter, embed, lm_head, batcher, train_idx, val_idx, mask_id, d
     val = None
     if val_idx:
         vids = val_idx[: args.batch_seqs]
-        vt, vf, vL, vP = batcher(vids)
+        vt, vf, vL, vP, vsoft = batcher(vids)
         g = torch.Generator(device=device).manual_seed(1234)
         val = (vt, vf, vL, sample_anchors(vL, vP, args.anchors, g))
 
@@ -627,7 +679,7 @@ def train(args, drafter, embed, lm_head, batcher, train_idx, val_idx, mask_id, d
     def validate():
         drafter.eval()
         with torch.no_grad():
-            _, vs = block_loss(drafter, embed, lm_head, *val, mask_id, decay, amp)
+            _, vs = block_loss(drafter, embed, lm_head, *val, mask_id, decay, amp, vsoft, args.soft_weight)
         drafter.train()
         return summarize(vs, B, val[0].shape[0] * args.anchors)
 
@@ -661,9 +713,10 @@ def train(args, drafter, embed, lm_head, batcher, train_idx, val_idx, mask_id, d
         for gp in opt.param_groups:
             gp["lr"] = lr
 
-        toks, feats, L, P = batcher(next(stream))
+        toks, feats, L, P, soft = batcher(next(stream))
         anchors = sample_anchors(L, P, args.anchors)
-        loss, stats = block_loss(drafter, embed, lm_head, toks, feats, L, anchors, mask_id, decay, amp)
+        loss, stats = block_loss(drafter, embed, lm_head, toks, feats, L, anchors, mask_id, decay, amp, soft,
+                                 args.soft_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
@@ -751,6 +804,8 @@ def parse_args(argv=None):
     a("--magpie-max-tokens", type=int, default=128)
     a("--magpie-temperature", type=float, default=1.0)
     a("--magpie-top-p", type=float, default=1.0)
+    a("--magpie-systems", default="",
+      help="file of system prompts (one a line) that steer the self-written messages; '' = the template's default")
     a("--magpie-budget-frac", type=float, default=0.3, help="share of --gen-time-budget-s for writing prompts")
     a("--exclude-prompts", default=str(Path(__file__).resolve().parents[1] / "data" / "prompts" / "eval.jsonl"),
       help="drop self-written messages that near-duplicate these prompts ('' = keep all)")
@@ -777,6 +832,9 @@ def parse_args(argv=None):
     a("--warmup-steps", type=int, default=200)
     a("--weight-decay", type=float, default=0.01)
     a("--clip", type=float, default=1.0)
+    a("--soft-top-k", type=int, default=0,
+      help="keep the target's top-k next-token log-probs and train on them too (0 = the data's tokens only)")
+    a("--soft-weight", type=float, default=0.5, help="share of the soft-target loss when --soft-top-k > 0")
     a("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block row k")
     a("--max-steps", type=int, default=0, help="0 = until the time budget")
     a("--log-every", type=int, default=100)
@@ -875,7 +933,8 @@ def main(argv=None):
 
     # ---- features (one target pass per sequence)
     t_f = time.time()
-    feats = compute_features(target, tokens, lengths, offsets, taps, device, args.feat_batch_tokens)
+    feats, soft = compute_features(target, tokens, lengths, offsets, taps, device, args.feat_batch_tokens,
+                                   args.soft_top_k)
     if device.type == "cuda":
         torch.cuda.synchronize()
     feat_s = time.time() - t_f
@@ -890,7 +949,7 @@ def main(argv=None):
     n_val = int(len(keep) * args.val_frac) if len(keep) > 1 else 0
     n_val = max(n_val, 1) if len(keep) > 1 else 0
     val_idx, train_idx = keep[len(keep) - n_val :], keep[: len(keep) - n_val]
-    batcher = Batcher(tokens, feats, lengths, prompt_lens, offsets, device)
+    batcher = Batcher(tokens, feats, lengths, prompt_lens, offsets, device, soft=soft)
     drafter.train()
     res = train(args, drafter, embed, lm_head, batcher, train_idx, val_idx, mask_id, device, deadline, out)
     size = (out / "model.safetensors").stat().st_size

@@ -37,3 +37,6 @@ def test_sweep_on_cpu_ray(tmp_path):
     assert [(p["mode"], p["concurrency"]) for p in points] == [("spec", 1), ("spec", 2), ("ar", 1), ("ar", 2)]
     assert all(p["tokens"] == 4 * p["concurrency"] and p["tokens_per_s"] > 0 for p in points)
     assert json.loads(out.read_text())["points"] == points
+    import ray
+
+    assert not ray.is_initialized()  # the sweep stops the Ray it started

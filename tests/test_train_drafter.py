@@ -98,6 +98,24 @@ def test_loss_labels_and_positions(tmp_path):
     assert stats[1].item() == 7 + 1 + 4 + 1
     s = td.summarize(stats, B, 4)
     assert 1.0 <= s["tau"] <= B and len(s["acc"]) == B - 1
+    # Soft targets: a top-1 "distribution" on the data's next token is the
+    # hard cross-entropy again, whatever the weight.
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+    onehot = (torch.zeros(2, 24, 1), nxt[..., None].int())
+    for wt in (0.3, 1.0):
+        soft_loss, _ = td.block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L,
+                                     anchors, 319, decay, None, onehot, wt)
+        torch.testing.assert_close(soft_loss, loss)
+    # ... and a real top-k changes it.
+    f, soft = td.compute_features(hf, ids.flatten().int(), torch.tensor([24, 24]), torch.tensor([0, 24]), [1, 2],
+                                  "cpu", 1000, soft_k=5)
+    want = hf(ids).logits.log_softmax(-1).topk(5, -1)
+    torch.testing.assert_close(soft[0].view(2, 24, 5).float(), want.values, atol=2e-2, rtol=0)  # bf16 storage
+    assert torch.equal(soft[1].view(2, 24, 5).long(), want.indices)
+    torch.testing.assert_close(f.view(2, 24, -1), feats.to(f.dtype))
+    mixed, _ = td.block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L, anchors, 319,
+                             decay, None, (soft[0].view(2, 24, 5), soft[1].view(2, 24, 5)), 0.5)
+    assert torch.isfinite(mixed) and not torch.allclose(mixed, loss)
     # anchors are response positions whose next token exists
     a = td.sample_anchors(L, torch.tensor([3, 15]), 1000)
     assert set(a[0].tolist()) == set(range(3, 23)) and set(a[1].tolist()) == set(range(15, 19))
@@ -142,7 +160,7 @@ def test_end_to_end_tiny(tmp_path, capsys):
     assert json.loads((out / "training.json").read_text())["steps"] == 6
     # A rerun reuses the generated data.
     mtime = (out / "data.pt").stat().st_mtime
-    td.main(argv[:-12] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96"])
+    td.main(argv[:-12] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96", "--soft-top-k", "4"])
     assert (out / "data.pt").stat().st_mtime == mtime
     assert "data: reusing" in capsys.readouterr().out
     out_spec = LLM(str(tmp_path / "t"), str(out)).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
