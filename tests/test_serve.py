@@ -451,10 +451,11 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     # a gRPC client cancelling mid-stream does the same
     channel, stub = _grpc_stub(server)
     with channel:
+        # As long as the model allows, cancelled at the first message: on a
+        # loaded machine the request must not get to finish first.
         call = stub.Generate(pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(
-            max_tokens=200, temperature=0, ignore_eos=True)), metadata=[("authorization", f"Bearer {API_KEY}")])
-        for _, _msg in zip(range(3), call):
-            pass
+            max_tokens=240, temperature=0, ignore_eos=True)), metadata=[("authorization", f"Bearer {API_KEY}")])
+        next(call)
         call.cancel()
     after2 = server.wait_idle()
     assert after2["in_flight"] == 0 and all(free == cap for free, cap in after2["pools"].values())
