@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from specray.config import EngineConfig
-from specray.request import RequestOutput
+from specray.request import PromptsRefused, RequestOutput
 from specray.sampling import SamplingParams
 
 
@@ -185,14 +185,6 @@ class AsyncEngine:
         self.core.shutdown()
 
 
-def refused_message(bad: list[tuple[int, str]]) -> str:
-    """One error for a batch: every refused prompt by index (the first few
-    in full)."""
-    lines = [f"prompt {i}: {e}" for i, e in bad[:5]]
-    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-    return f"{len(bad)} prompt(s) refused, nothing generated{more}: " + "; ".join(lines)
-
-
 def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
     """Blocking batch generation through a core (in-process or Ray)."""
     ids = [uuid.uuid4().hex for _ in prompts]
@@ -200,7 +192,7 @@ def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[Req
     bad = [(i, e) for i, e in enumerate(errors) if e]
     if bad:
         core.abort([ids[i] for i, e in enumerate(errors) if not e])
-        raise ValueError(refused_message(bad))
+        raise PromptsRefused(bad)
     wanted = set(ids)
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):

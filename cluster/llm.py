@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import load_tokenizer
 from specray.engine import EngineCore
-from specray.request import RequestOutput
+from specray.request import PromptsRefused, RequestOutput
 from specray.sampling import SamplingParams
 
 
@@ -167,9 +167,7 @@ class LLM:
             except ValueError as e:
                 bad.append((i, str(e)))
         if bad:
-            from specray.async_engine import refused_message
-
-            raise ValueError(refused_message(bad))
+            raise PromptsRefused(bad)
         for r in reqs:
             self.engine.admit(r)
         done: dict[str, RequestOutput] = {}

@@ -125,3 +125,14 @@ class Request:
         if not self.params.ignore_eos:
             ids.update(self.eos_token_ids)
         return ids
+
+
+class PromptsRefused(ValueError):
+    """Some prompts of a batch were refused, so none of it ran: ``refused``
+    holds (index in the batch, reason) for each."""
+
+    def __init__(self, refused: list[tuple[int, str]]):
+        self.refused = refused
+        shown = "; ".join(f"prompt {i}: {why}" for i, why in refused[:5])
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        super().__init__(f"{len(refused)} prompt(s) refused, nothing generated{more}: {shown}")

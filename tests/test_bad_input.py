@@ -10,6 +10,7 @@ from factories import make_drafter, make_target
 from specray import LLM, ConfigError, SamplingParams
 from specray.config import EngineConfig
 from specray.llm import build_engine
+from specray.request import PromptsRefused
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +143,9 @@ def test_engine_config_errors(ckpt):
 def test_batch_with_bad_prompts_names_each_and_runs_none(ckpt):
     root, _ = ckpt
     llm = LLM(root / "t", root / "d", num_kv_blocks=64)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(PromptsRefused) as err:  # a ValueError, naming each
         llm.generate([[5, 6], [], [7], [5, 10_000]], SamplingParams(max_tokens=4))
+    assert [i for i, _ in err.value.refused] == [1, 3]
     msg = str(err.value)
     assert msg.startswith("2 prompt(s) refused, nothing generated")
     assert "prompt 1: prompt is empty" in msg and "prompt 3: prompt token ids [10000]" in msg
