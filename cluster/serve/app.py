@@ -17,15 +17,8 @@ per-replica ``max_ongoing_requests`` is set above that bound (room for
 /health and /v1/models) and its router queue is bounded too
 (``max_queued_requests`` of the deployment), so nothing queues without limit.
 
-Disconnects: when a client goes, Serve's proxy cancels the request in the
-replica (Starlette's own disconnect listener may get there first). The
-engine stream is never consumed inside that request's task: a detached task
-drives it into a queue, so neither the anyio cancel scope nor Ray's
-recursive cancellation of the request's child calls can swallow the abort.
-However the request ends (finished, error, client gone before or after its
-first byte) the response's ``finally`` releases its lease: an explicit
-``engine.abort`` if the stream still runs (the engine frees its KV blocks),
-then the admission slot.
+Disconnects: a client that goes aborts its engine request and frees its
+slot however the request ends (``specray.serve.lease``).
 
 Streaming responses start with the first token: the prompt is validated by
 the engine at submit, so a bad prompt still gets a 400 rather than an error
@@ -47,9 +40,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import StreamingResponse
 
 from specray.serve import protocol as P
+from specray.serve.lease import EngineStream, Lease, detached, shielded
 
 log = logging.getLogger("specray.serve")
 
@@ -165,122 +158,6 @@ async def _internal_error(request: Request, e: Exception):
     return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
 
-class _Lease:
-    """One admitted generation request: its slot in the replica's bound and
-    the task that drives its engine stream.
-
-    The engine stream is consumed by a task of its own, never by the
-    request's task: Serve and Starlette cancel the request's task when the
-    client goes (Starlette through an anyio cancel scope, which re-cancels
-    every await inside it), and an engine stream closed inside that
-    cancellation would await its abort RPC cancelled (Ray then cancels the
-    abort task itself). The request's task only reads a queue.
-
-    ``release`` is idempotent and runs however the request ends (finished,
-    failed, client gone before or after its first byte): it aborts the
-    engine request if still running, waits for the driver task, and frees
-    the slot."""
-
-    def __init__(self, server: "SpecRayServer", endpoint: str):
-        self.server, self.endpoint = server, endpoint
-        self.rid: str | None = None
-        self.task: asyncio.Task | None = None
-        self.queue: asyncio.Queue = asyncio.Queue()
-        # until the request completes: the client went away
-        self.status: int | str = "CANCELLED" if endpoint.startswith("grpc") else 499
-        self._released = False
-
-    def start(self, prompt, params, rid: str) -> None:
-        self.rid = rid
-        self.task = asyncio.get_running_loop().create_task(_detached(self._drive(prompt, params, rid)))
-
-    async def _drive(self, prompt, params, rid: str) -> None:
-        try:
-            async for out in self.server.engine.generate(prompt, params, request_id=rid):
-                self.queue.put_nowait(out)
-        except BaseException as e:  # a bad prompt (ValueError), a failed engine, cancellation
-            self.queue.put_nowait(e)
-            if not isinstance(e, Exception):
-                raise
-
-    async def next(self):
-        """The request's next RequestOutput; raises what the engine raised."""
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        try:
-            if self.task is not None and not self.task.done():
-                try:
-                    await self.server.engine.abort(self.rid)  # the engine ends the stream with "abort"
-                except Exception:
-                    log.warning("abort of %s failed", self.rid, exc_info=True)
-                done, _ = await asyncio.wait([self.task], timeout=5.0)
-                if not done:  # abort raced ahead of the submit: closing the stream aborts again
-                    self.task.cancel()
-                    await asyncio.wait([self.task], timeout=5.0)
-        finally:
-            self.server._release(self)
-
-
-def _detach_from_request() -> None:
-    """Forget which Serve request this task runs for.
-
-    A Ray async actor keeps the current request's Ray task id in a context
-    variable that every task created under it inherits, and Ray files each
-    actor call made under that id as a child of the request: when Serve
-    cancels the request (the client left), Ray cancels those calls too
-    (``ray.cancel`` is recursive), even ones issued from other asyncio
-    tasks. Engine work that must outlive the request (driving its stream,
-    aborting it, the AsyncEngine's shared output pump, which the first
-    stream starts) runs detached."""
-    try:
-        import ray._raylet
-
-        ray._raylet.async_task_id.set(None)
-    except (ImportError, AttributeError):  # not inside a Ray worker / another Ray version
-        pass
-
-
-async def _detached(coro):
-    _detach_from_request()
-    return await coro
-
-
-_background: set = set()
-
-
-async def _shielded(coro) -> None:
-    """Run ``coro`` detached in a task of its own: a cancelled caller stops
-    waiting, the work still completes."""
-    task = asyncio.ensure_future(_detached(coro))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    await asyncio.shield(task)
-
-
-class _EngineStream(StreamingResponse):
-    """SSE response whose ASGI call always releases its lease on the way
-    out, even if the body iterator never started (client gone before the
-    first byte)."""
-
-    def __init__(self, content, lease: _Lease):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.lease = lease
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await _shielded(self.lease.release())
-
-
 _GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
                500: "INTERNAL", 503: "UNAVAILABLE"}
 
@@ -346,7 +223,7 @@ class SpecRayServer:
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(_detached(self._poll_engine_load()))
+            self._poller = asyncio.get_running_loop().create_task(detached(self._poll_engine_load()))
 
     async def _poll_engine_load(self) -> None:
         """Running / waiting gauges, from one stats call a second (never per
@@ -360,7 +237,7 @@ class SpecRayServer:
             await asyncio.sleep(1.0)
 
     # ---------------------------------------------------------- admission
-    def _admit(self, endpoint: str) -> _Lease:
+    def _admit(self, endpoint: str) -> Lease:
         self._ensure_poller()
         if self.in_flight >= self.limit:
             self.metrics.rejected_request(endpoint)
@@ -371,9 +248,9 @@ class SpecRayServer:
                 headers={"Retry-After": str(self.settings.retry_after_s)})
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        return _Lease(self, endpoint)
+        return Lease(self, endpoint)
 
-    def _release(self, lease: _Lease) -> None:
+    def _release(self, lease: Lease) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.set(self.in_flight)
         self.metrics.request_done(lease.endpoint, lease.status)
@@ -502,11 +379,11 @@ class SpecRayServer:
                 self.metrics.request_done(endpoint, e.status)
             else:
                 lease.status = e.status
-                await _shielded(lease.release())
+                await shielded(lease.release())
             return _error_response(e)
         except BaseException:
             if lease is not None:  # cancelled (client gone) while waiting for the first token
-                await _shielded(lease.release())
+                await shielded(lease.release())
             raise
 
         from specray.serve.metrics import RequestTracker
@@ -514,7 +391,7 @@ class SpecRayServer:
         tracker = RequestTracker(self.metrics, start)
         if req.stream:
             writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids)
-            return _EngineStream(self._sse(writer, first, tracker, lease), lease)
+            return EngineStream(self._sse(writer, first, tracker, lease), lease)
         try:
             out = first
             tracker.update(out, time.monotonic())
@@ -535,9 +412,9 @@ class SpecRayServer:
             lease.status = 500
             return _error_response(P.APIError(500, str(e), "server_error"))
         finally:
-            await _shielded(lease.release())
+            await shielded(lease.release())
 
-    async def _sse(self, writer: P.ChunkWriter, first, tracker, lease: _Lease):
+    async def _sse(self, writer: P.ChunkWriter, first, tracker, lease: Lease):
         for chunk in writer.start():
             yield chunk
         out = first
@@ -653,7 +530,7 @@ class SpecRayServer:
             lease.status = _GRPC_CODES.get(e.status, "UNKNOWN")
             self._grpc_fail(grpc_context, e, endpoint)
         finally:
-            await _shielded(lease.release())
+            await shielded(lease.release())
 
     async def ListModels(self, request, grpc_context=None):
         """specray.v1.SpecRay/ListModels."""
