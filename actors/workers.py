@@ -132,6 +132,9 @@ class _Channels:
 class RemoteDrafter:
     """Rank 0's stand-in for a drafter that lives in another process."""
 
+    # Sent only the accepted context rows: the channel carries no padding.
+    stores_whole_blocks = False
+
     def __init__(self, channel, device):
         self.channel, self.device = channel, device
 

@@ -310,9 +310,8 @@ class EngineCore:
         S = len(decode)
         G = verify_rows.shape[1] - 1 if S else 0
         if S:
-            # Greedy verification reads neither the sampling tensors nor the
-            # start positions: nothing to copy to the device for them.
-            st = st_cpu if st_cpu.all_greedy else st_cpu.to(dev)
+            st = st_cpu.to(dev)
+            # Greedy verification reads no start positions: none to copy.
             starts = None if st.all_greedy else torch.tensor([d.request.num_computed for d in decode], device=dev)
             num_drafts = torch.tensor([d.block_len - 1 for d in decode], device=dev)
             if drafts is not None:
@@ -347,10 +346,9 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         ctx_rows, ctx_pos, ctx_slots = [], [], []
         uniform = batch.uniform_rows
-        # An in-process drafter with a context graph takes whole verify blocks
-        # (its graph's shape); a remote one gets only the accepted rows, so the
-        # channel carries no padding.
-        whole = uniform and getattr(self.drafter, "stores_whole_blocks", False)
+        # A drafter with a context graph takes whole verify blocks (its
+        # graph's shape), rejected rows pointed at the reserved slot.
+        whole = bool(uniform) and self.drafter is not None and self.drafter.stores_whole_blocks
         row = 0
         for s, d in enumerate(decode):
             r = d.request

@@ -98,6 +98,10 @@ class SamplingTensors:
         )
 
     def to(self, device) -> "SamplingTensors":
+        """On ``device``; an all-greedy batch stays where it is (greedy
+        drafting and verification read none of its tensors: no copies)."""
+        if self.all_greedy:
+            return self
         return SamplingTensors(
             self.temperature.to(device),
             self.top_p.to(device),

@@ -64,7 +64,7 @@ def random_checkpoints(root: Path, shape: str, block_size: int = 16) -> tuple[st
     """A random Qwen3 target of ``shape`` and a DFlash drafter for it
     (reused when already written)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_drafter import drafter_config
+    from train_drafter import default_taps, drafter_config
     from transformers import Qwen3Config
 
     fields, draft_layers = SHAPES[shape]
@@ -81,7 +81,7 @@ def random_checkpoints(root: Path, shape: str, block_size: int = 16) -> tuple[st
                 p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
 
     L = cfg.num_hidden_layers
-    taps = [round(1 + i * (L - 4) / 4) for i in range(5)] if L >= 8 else list(range(1, max(L - 1, 2)))
+    taps = default_taps(L)
     if not (tdir / "config.json").is_file():
         shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
         for i in range(L):

@@ -24,20 +24,17 @@ import torch
 from specray.actors.target import TargetWorker
 from specray.config import TargetSpec
 from specray.plan import AttentionMetadata, TargetBatch
+from specray.sampling import SamplingParams, SamplingTensors, filtered_probs
 
 KV_BLOCK = 16
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-    """Next token per row of ``logits`` ``[n, V]``."""
-    if temperature == 0:
+def _sample(logits: torch.Tensor, st: SamplingTensors, gen: torch.Generator | None) -> torch.Tensor:
+    """Next token per row of ``logits`` ``[n, V]``: the engine's filtered
+    distribution, drawn with ``gen`` (the data needs no counter-based RNG)."""
+    if st.all_greedy:
         return logits.argmax(-1)
-    probs = (logits.float() / temperature).softmax(-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return torch.multinomial(filtered_probs(logits, st), 1, generator=gen).squeeze(-1)
 
 
 class BulkGenerator:
@@ -107,7 +104,8 @@ class BulkGenerator:
         tables = self._tables(n)
         rows = torch.arange(n, device=dev)
         stop = torch.tensor(stop_ids, device=dev)
-        tok = _sample(self._prefill(prompts, tables), temperature, top_p, gen)
+        st = SamplingTensors.build([SamplingParams(temperature=temperature, top_p=top_p)] * n, [0] * n, dev)
+        tok = _sample(self._prefill(prompts, tables), st, gen)
         pos = torch.tensor([len(p) for p in prompts], device=dev)
         out = torch.empty(n, self.max_new, dtype=torch.int64, device=dev)
         done = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -125,7 +123,7 @@ class BulkGenerator:
                 "input_ids": tok, "positions": pos_c, "slot_mapping": self._slots(tables, rows, pos_c),
                 "seq_lens": pos_c + 1, "block_tables": tables,
             })
-            tok = _sample(logits[:n], temperature, top_p, gen)
+            tok = _sample(logits[:n], st, gen)
             pos = pos + 1
         out = out[:, :steps].cpu()
         hit = torch.isin(out, stop.cpu())

@@ -333,6 +333,13 @@ class Drafter(nn.Module):
         return self.norm(h).view(N, K, B, H)
 
 
+def default_taps(num_target_layers: int) -> list[int]:
+    """The authors' spacing of five taps over layers 1 .. L-3 (every layer
+    from 1 on for a target too shallow for it)."""
+    L = num_target_layers
+    return [round(1 + i * (L - 4) / 4) for i in range(5)] if L >= 8 else list(range(1, max(L - 1, 2)))
+
+
 def drafter_config(tcfg, num_layers, intermediate, taps, block_size, mask_id):
     from transformers import Qwen3Config
 
@@ -911,11 +918,10 @@ def main(argv=None):
         f"max {data_stats['max_len']})")
 
     # ---- drafter
-    L = tcfg.num_hidden_layers
     if args.target_layer_ids:
         taps = [int(x) for x in args.target_layer_ids.split(",")]
-    else:  # the authors' spacing (layers 1 .. L-3) for five taps
-        taps = [round(1 + i * (L - 4) / 4) for i in range(5)] if L >= 8 else list(range(1, max(L - 1, 2)))
+    else:
+        taps = default_taps(tcfg.num_hidden_layers)
     mask_id = pick_mask_token(tok, tcfg.vocab_size, tokens, args.mask_token_id)
     inter = args.intermediate_size or tcfg.intermediate_size
     config = drafter_config(tcfg, args.draft_layers, inter, taps, args.block_size, mask_id)
