@@ -138,27 +138,32 @@ def sweep(args) -> dict:
         target, drafter = random_checkpoints(Path(args.ckpt_dir), args.shape)
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     have = torch.cuda.device_count() if args.device != "cpu" else None
+    report = {"target": target, "drafter": drafter, "device": args.device, "max_tokens": args.max_tokens,
+              "gpus_here": have, "points": []}
+
+    def record(point: dict) -> None:  # each point is written as it comes: a killed sweep keeps what it measured
+        report["points"].append(point)
+        print(point, flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
     started_ray = not ray.is_initialized()
     ensure_ray()
     try:
-        points = sweep_points(args, target, drafter, vocab, have)
+        sweep_points(args, target, drafter, vocab, have, record)
     finally:
         if started_ray:  # stop what we started
             ray.shutdown()
-    return {"target": target, "drafter": drafter, "device": args.device, "max_tokens": args.max_tokens,
-            "gpus_here": have, "points": points}
+    return report
 
 
-def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None) -> list[dict]:
+def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, record) -> None:
     from specray import LLM, SamplingParams
 
-    points = []
     for tp, placement, replicas in itertools.product(args.tp, args.placement, args.replicas):
         need = gpus_needed(tp, placement, replicas)
         base = {"tp": tp, "placement": placement, "replicas": replicas, "gpus": need if have is not None else 0}
         if have is not None and need > have:
-            points.append({**base, "skipped": f"needs {need} GPUs, {have} here"})
-            print(points[-1])
+            record({**base, "skipped": f"needs {need} GPUs, {have} here"})
             continue
         for mode, d in (("spec", drafter), ("ar", None)):
             llms = [LLM(target, d, device=args.device, backend="ray", tensor_parallel_size=tp,
@@ -168,13 +173,10 @@ def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None) 
                 for llm in llms:  # warm-up: allocator, kernels, first steps
                     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
                 for c in args.concurrency:
-                    points.append({**base, "mode": mode, "concurrency": c,
-                                   **run_point(llms, c, args.max_tokens, vocab)})
-                    print(points[-1])
+                    record({**base, "mode": mode, "concurrency": c, **run_point(llms, c, args.max_tokens, vocab)})
             finally:
                 for llm in llms:
                     llm.shutdown()
-    return points
 
 
 def plot(report: dict, path: str) -> bool:
@@ -222,7 +224,6 @@ def main(argv=None) -> dict:
     if not args.shape and not (args.target and args.drafter):
         p.error("give --shape, or --target and --drafter")
     report = sweep(args)
-    Path(args.out).write_text(json.dumps(report, indent=2))
     png = str(Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}" + (f" and {png}" if plot(report, png) else " (no matplotlib: no plot)"))
     return report

@@ -3,17 +3,20 @@
 self-distillation, on one GPU, in a few minutes.
 
     python examples/train_drafter.py --target ~/.cache/specray/smollm2-135m-instruct \
-        --prompts data/prompts/train.jsonl --out runs/drafter --device cuda --gen-only
+        --out runs/drafter --device cuda --gen-only
     python examples/train_drafter.py --target ~/.cache/specray/smollm2-135m-instruct \
-        --prompts data/prompts/train.jsonl --out runs/drafter --device cuda
+        --out runs/drafter --device cuda
 
 The defaults are the shipped drafter's recipe (its training.json lists every
-argument); the two calls fit the GPU machine's 10-minute command limit
-(~155 s of data, then ~545 s of features and training on the cached data).
+argument) except the time budget: it trained for 470 s, beside a second run
+on the other GPU. The two calls fit the GPU machine's 10-minute command limit
+(~165 s of data, then features and training on the cached data).
 
 Stage 1 (data): with ``--magpie N`` the target first writes N user messages
-itself (sampled from the chat template cut where a user turn starts); then it
-answers those and the file's prompts (greedy unless --temperature > 0), both
+itself (sampled from the chat template cut where a user turn starts, after a
+system prompt from --magpie-systems that steers the topic); then it answers
+those and the files' prompts (greedy unless --temperature > 0), and the
+--sampled-prompts again --sampled-answers times at --sampled-temperature, all
 on specray's static-batch, CUDA-graphed generator (examples/selfdistill.py).
 The token sequences are cached in OUT/data.pt, so a rerun skips this stage.
 
@@ -64,6 +67,7 @@ import torch.nn.functional as F
 # --------------------------------------------------------------------------
 
 T0 = time.time()
+PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 
 
 def log(msg: str) -> None:
@@ -75,14 +79,15 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------
 
 
-def load_prompts(path: str, limit: int) -> list[list[dict]]:
+def load_prompts(paths: str | list[str], limit: int) -> list[list[dict]]:
     out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line)["messages"])
-                if limit and len(out) >= limit:
-                    break
+    for path in [paths] if isinstance(paths, str) else paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    out.append(json.loads(line)["messages"])
+                    if limit and len(out) >= limit:
+                        return out
     return out
 
 
@@ -187,6 +192,20 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
     spent = time.time() - t_start
     answers = gen.generate_all(prompts, temperature=args.temperature, top_p=args.top_p, stop_ids=eos,
                                seed=args.seed + 1, time_budget_s=max(budget - spent, 1.0), log=log)
+    if args.sampled_answers and args.sampled_prompts:
+        # More answers to the prompts nearest real use, sampled: the drafter
+        # also sees the target continue from contexts off its greedy path.
+        extra = [chat_ids(tok, m) for m in load_prompts(args.sampled_prompts, 0)] * args.sampled_answers
+        extra = [p for p in extra if len(p) <= max_prompt]
+        spent = time.time() - t_start
+        extra_answers = gen.generate_all(extra, temperature=args.sampled_temperature, top_p=args.sampled_top_p,
+                                         stop_ids=eos, seed=args.seed + 2, time_budget_s=max(budget - spent, 1.0),
+                                         log=log)
+        pairs = list(zip(prompts + extra, answers + extra_answers))
+        random.Random(args.seed + 3).shuffle(pairs)  # --max-train-tokens takes a prefix: mix the two kinds
+        prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
+        log(f"sampled: {len(extra_answers)} answers at T={args.sampled_temperature} to "
+            f"{len(extra) // args.sampled_answers} prompts")
     del gen
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,7 +217,9 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
         n_eos += bool(a) and a[-1] in eos
     gen_s = time.time() - t_start
     meta = dict(
-        prompts_file=str(args.prompts), target=str(args.target), file_prompts=len(file_prompts),
+        prompts_file=args.prompts, target=str(args.target), file_prompts=len(file_prompts),
+        sampled_prompts=args.sampled_prompts, sampled_answers=args.sampled_answers,
+        sampled_temperature=args.sampled_temperature, sampled_top_p=args.sampled_top_p,
         magpie_sampled=args.magpie, magpie_kept=len(magpie), magpie_temperature=args.magpie_temperature,
         magpie_top_p=args.magpie_top_p, magpie_systems=args.magpie_systems,
         magpie_excluded_near=args.exclude_prompts, num_prompts=len(seqs), max_new_tokens=args.max_new_tokens,
@@ -795,7 +816,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--target", required=True, help="HF directory of the target (safetensors)")
-    a("--prompts", required=True, help="JSONL of {'messages': [...]} chat prompts")
+    a("--prompts", nargs="+", default=[str(PROMPTS / "train.jsonl"), str(PROMPTS / "curated.jsonl")],
+      help="JSONL files of {'messages': [...]} chat prompts, answered greedily")
     a("--out", required=True, help="output directory (drafter checkpoint, data.pt, logs)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a("--seed", type=int, default=0)
@@ -811,16 +833,21 @@ def parse_args(argv=None):
     a("--magpie-max-tokens", type=int, default=128)
     a("--magpie-temperature", type=float, default=1.0)
     a("--magpie-top-p", type=float, default=1.0)
-    a("--magpie-systems", default="",
+    a("--magpie-systems", default=str(PROMPTS / "magpie_systems.txt"),
       help="file of system prompts (one a line) that steer the self-written messages; '' = the template's default")
     a("--magpie-budget-frac", type=float, default=0.3, help="share of --gen-time-budget-s for writing prompts")
-    a("--exclude-prompts", default=str(Path(__file__).resolve().parents[1] / "data" / "prompts" / "eval.jsonl"),
+    a("--exclude-prompts", default=str(PROMPTS / "eval.jsonl"),
       help="drop self-written messages that near-duplicate these prompts ('' = keep all)")
-    a("--max-train-tokens", type=int, default=12_000_000,
+    a("--max-train-tokens", type=int, default=14_000_000,
       help="use sequences up to this many tokens in all (their features stay on the device); 0 = all")
     a("--gen-time-budget-s", type=float, default=270.0, help="no new generation batch after this")
     a("--temperature", type=float, default=0.0, help="0 = greedy self-distillation")
     a("--top-p", type=float, default=1.0)
+    a("--sampled-prompts", nargs="*", default=[str(PROMPTS / "curated.jsonl")],
+      help="JSONL prompt files that also get sampled answers")
+    a("--sampled-answers", type=int, default=4, help="sampled answers per --sampled-prompts prompt")
+    a("--sampled-temperature", type=float, default=0.8)
+    a("--sampled-top-p", type=float, default=0.95)
     a("--regen", action="store_true", help="ignore a cached OUT/data.pt")
     a("--gen-only", action="store_true", help="stop after stage 1 (OUT/data.pt)")
     # model

@@ -146,10 +146,14 @@ def test_end_to_end_tiny(tmp_path, capsys):
             "--max-new-tokens", "12", "--gen-batch-size", "4", "--batch-seqs", "2", "--anchors", "4",
             "--block-size", "8", "--max-steps", "6", "--log-every", "2", "--warmup-steps", "2",
             "--intermediate-size", "96", "--magpie", "5", "--magpie-max-tokens", "6"]
-    summary = td.main(argv)
+    more = tmp_path / "q.jsonl"
+    more.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                            for i in range(3)))
+    summary = td.main(argv[:4] + [str(more)] + argv[4:] + ["--sampled-prompts", str(more), "--sampled-answers", "2"])
     gen = summary["data"]["gen"]
-    assert gen["magpie_sampled"] == 5 and gen["file_prompts"] == 6
-    assert summary["steps"] == 6 and summary["data"]["sequences"] == 6 + gen["magpie_kept"]
+    assert gen["magpie_sampled"] == 5 and gen["file_prompts"] == 6 + 3
+    # every prompt answered greedily, the second file's twice more sampled
+    assert summary["steps"] == 6 and summary["data"]["sequences"] == 6 + 3 + 3 * 2 + gen["magpie_kept"]
     written = (out / "magpie_prompts.jsonl").read_text().splitlines()
     assert len(written) == gen["magpie_kept"]
     assert summary["architecture"]["mask_token_id"] == 329
