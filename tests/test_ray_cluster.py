@@ -120,7 +120,8 @@ def test_output_delivery_is_batched(cluster):
                                       for p, i in zip(PROMPTS, ids)]))
         done, cursor = set(), -1
         while len(done) < len(ids):
-            cursor, outs = ray.get(driver.get_outputs.remote(cursor, 1.0, 0.1))
+            # 0.5 s of batching spans several steps even on a loaded 2-core machine (0.1 s did not)
+            cursor, outs = ray.get(driver.get_outputs.remote(cursor, 1.0, 0.5))
             for o in outs:
                 if o.finished:
                     done.add(o.request_id)

@@ -1,0 +1,70 @@
+"""Channel messages carry any mix of dtypes, odd sizes, 0-dim, empty and
+non-contiguous tensors, bit for bit."""
+
+import multiprocessing as mp
+import os
+
+import torch
+from specray.actors import transport as T
+
+
+def _message():
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        torch.arange(7, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.randint(0, 9, (2, 3), dtype=torch.int32, generator=g),
+        torch.zeros(0, dtype=torch.float32),
+        torch.tensor(2.5),
+        torch.randn(1, 1, 3, generator=g),
+        torch.arange(5, dtype=torch.uint8),
+        torch.randn(4, 6, generator=g)[:, ::2],  # not contiguous
+    ]
+
+
+def _same(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_header_round_trip():
+    msg = _message()
+    cmd, specs = T.decode_header(T.encode_header(7, msg))
+    assert cmd == 7 and specs == [(t.dtype, tuple(t.shape)) for t in msg]
+
+
+def _end(rank, path, q):
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    ch = T.TorchP2PChannel(1 - rank, "cpu")
+    if rank == 0:
+        ch.send(3, _message())
+        T.broadcast_message(4, _message()[:2], None, "cpu")
+        ch.send(5, [])
+    else:
+        (c1, m1), (c2, m2), (c3, m3) = ch.recv(), T.receive_broadcast(None, "cpu"), ch.recv()
+        try:  # checked here: tensors in a queue outlive a child only through shared memory
+            assert (c1, c2, c3) == (3, 4, 5) and m3 == []
+            _same(m1, _message())
+            _same(m2, _message()[:2])
+            q.put("ok")
+        except AssertionError as e:
+            q.put(f"mismatch: {e!r}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_gloo_p2p_and_broadcast_carry_the_message(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_end, args=(r, str(tmp_path / "rdzv"), q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    verdict = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    assert verdict == "ok"
