@@ -161,17 +161,20 @@ def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, 
 
     for tp, placement, replicas in itertools.product(args.tp, args.placement, args.replicas):
         need = gpus_needed(tp, placement, replicas)
-        base = {"tp": tp, "placement": placement, "replicas": replicas, "gpus": need if have is not None else 0}
+        base = {"tp": tp, "placement": placement, "replicas": replicas, "gpus": need if have is not None else 0,
+                "cuda_graphs": args.cuda_graphs and tp == 1}  # graphs exist for TP 1 only
         if have is not None and need > have:
             record({**base, "skipped": f"needs {need} GPUs, {have} here"})
             continue
         for mode, d in (("spec", drafter), ("ar", None)):
             llms = [LLM(target, d, device=args.device, backend="ray", tensor_parallel_size=tp,
                         drafter_placement=placement, max_model_len=args.max_model_len,
-                        max_num_seqs=max(args.concurrency)) for _ in range(replicas)]
+                        max_num_seqs=max(args.concurrency), cuda_graphs=args.cuda_graphs) for _ in range(replicas)]
             try:
                 for llm in llms:  # warm-up: allocator, kernels, first steps
                     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+                for c in args.concurrency if args.cuda_graphs else []:  # capture each batch size untimed
+                    run_point(llms, c, 8, vocab)
                 for c in args.concurrency:
                     record({**base, "mode": mode, "concurrency": c, **run_point(llms, c, args.max_tokens, vocab)})
             finally:
@@ -219,6 +222,7 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (TP 1)")
     p.add_argument("--out", default="sweep.json")
     args = p.parse_args(argv)
     if not args.shape and not (args.target and args.drafter):

@@ -32,9 +32,10 @@ def test_sweep_on_cpu_ray(tmp_path):
     out = tmp_path / "sweep.json"
     report = sw.main(["--shape", "tiny", "--ckpt-dir", str(tmp_path / "ck"), "--device", "cpu", "--tp", "1",
                       "--placement", "separate", "--replicas", "1", "--concurrency", "1", "2",
-                      "--max-tokens", "4", "--max-model-len", "128", "--out", str(out)])
+                      "--max-tokens", "4", "--max-model-len", "128", "--cuda-graphs", "--out", str(out)])
     points = report["points"]
     assert [(p["mode"], p["concurrency"]) for p in points] == [("spec", 1), ("spec", 2), ("ar", 1), ("ar", 2)]
+    assert all(p["cuda_graphs"] for p in points)  # the graph layout (eager off CUDA), warmed per batch size
     assert all(p["tokens"] == 4 * p["concurrency"] and p["tokens_per_s"] > 0 for p in points)
     assert json.loads(out.read_text())["points"] == points
     import ray
