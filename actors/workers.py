@@ -53,17 +53,23 @@ def unpack_target_batch(ts: list[torch.Tensor]) -> TargetBatch:
 
 
 def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
+    """Four tensors, not nine: each tensor of a message is one more transfer
+    (and one more host copy when it starts on the host), which costs more
+    than its few bytes."""
     st = b.sampling
     meta = torch.tensor([b.max_ctx_len, int(st.all_greedy), int(st.any_filter)], dtype=torch.int64)
-    return [b.block_ids, b.ctx_lens, b.block_lens, b.block_tables, st.temperature, st.top_p, st.top_k,
-            st.seeds, meta]
+    ints = torch.cat([b.ctx_lens.cpu(), b.block_lens.cpu(), st.top_k.cpu(), st.seeds.cpu(), meta])  # [4S + 3]
+    floats = torch.stack([st.temperature.cpu(), st.top_p.cpu()])  # [2, S]
+    return [b.block_ids, b.block_tables, ints, floats]
 
 
 def unpack_draft_batch(ts: list[torch.Tensor]) -> DraftBatch:
-    block_ids, ctx_lens, block_lens, tables, temp, top_p, top_k, seeds, meta = ts
-    max_ctx, all_greedy, any_filter = meta.tolist()
+    block_ids, tables, ints, floats = ts
+    S = block_ids.shape[0]
+    ctx_lens, block_lens, top_k, seeds = ints[: 4 * S].view(4, S)
+    max_ctx, all_greedy, any_filter = ints[4 * S :].tolist()
     return DraftBatch(block_ids, ctx_lens, block_lens, tables, max_ctx,
-                      SamplingTensors(temp, top_p, top_k, seeds, bool(all_greedy), bool(any_filter)))
+                      SamplingTensors(floats[0], floats[1], top_k, seeds, bool(all_greedy), bool(any_filter)))
 
 
 def pack_draft_output(o: DraftOutput) -> list[torch.Tensor]:
@@ -145,7 +151,8 @@ class RemoteDrafter:
         return unpack_draft_output(ts)
 
     def store_context(self, hidden, positions, slot_mapping) -> None:
-        self.channel.send(CMD_CONTEXT, [hidden, positions, slot_mapping])
+        # positions and slots travel as one [2, n] tensor (one transfer fewer)
+        self.channel.send(CMD_CONTEXT, [hidden, torch.stack([positions, slot_mapping.to(positions.device)])])
 
     def stop(self) -> None:
         self.channel.send(CMD_STOP, [])
@@ -188,7 +195,8 @@ class DrafterActor:
             if cmd == CMD_STOP:
                 return self.num_steps
             if cmd == CMD_CONTEXT:
-                self.worker.store_context(*ts)
+                hidden, pos_slots = ts
+                self.worker.store_context(hidden, pos_slots[0], pos_slots[1])
             elif cmd == CMD_PROPOSE:
                 out = self.worker.propose(unpack_draft_batch(ts))
                 self.channel.send(CMD_DRAFTS, pack_draft_output(out))
