@@ -38,24 +38,32 @@ _EMPTY = torch.zeros(0)
 
 
 # --------------------------------------------------------------- packing
+# Messages carry few tensors: each one is a transfer of its own (and a host
+# copy when it starts on the host), which costs more than its bytes.
 def pack_target_batch(b: TargetBatch) -> list[torch.Tensor]:
+    """Three tensors: per-token ids / positions / slots ``[3, N]``, the
+    integer fields, and the block tables."""
     a = b.attn
+    dev = b.input_ids.device  # on rank 0's device once the drafts are in
+    per_token = torch.stack([b.input_ids, a.positions.to(dev), a.slot_mapping.to(dev)])
     meta = torch.tensor([a.max_query_len, a.max_seq_len, int(b.want_hidden)], dtype=torch.int64)
-    return [b.input_ids, a.positions, a.slot_mapping, a.query_start_loc, a.seq_lens, a.block_tables,
-            b.logits_indices, meta]
+    ints = torch.cat([a.query_start_loc.cpu(), a.seq_lens.cpu(), b.logits_indices.cpu(), meta])  # [2S + 1 + M + 3]
+    return [per_token, ints, a.block_tables]
 
 
 def unpack_target_batch(ts: list[torch.Tensor]) -> TargetBatch:
-    ids, pos, slots, qsl, seq_lens, tables, logit_idx, meta = ts
-    max_q, max_s, want_hidden = meta.tolist()
+    per_token, ints, tables = ts
+    S = tables.shape[0]
+    ids, pos, slots = per_token
+    qsl, seq_lens, logit_idx = ints[: S + 1], ints[S + 1 : 2 * S + 1], ints[2 * S + 1 : -3]
+    max_q, max_s, want_hidden = ints[-3:].tolist()
     return TargetBatch(ids, AttentionMetadata(pos, slots, qsl, seq_lens, tables, max_q, max_s), logit_idx,
                        bool(want_hidden))
 
 
 def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
-    """Four tensors, not nine: each tensor of a message is one more transfer
-    (and one more host copy when it starts on the host), which costs more
-    than its few bytes."""
+    """Four tensors: the draft blocks, the block tables, the integer fields
+    and the sampling floats."""
     st = b.sampling
     meta = torch.tensor([b.max_ctx_len, int(st.all_greedy), int(st.any_filter)], dtype=torch.int64)
     ints = torch.cat([b.ctx_lens.cpu(), b.block_lens.cpu(), st.top_k.cpu(), st.seeds.cpu(), meta])  # [4S + 3]
