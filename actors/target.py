@@ -12,7 +12,7 @@ from specray.actors.kv_cache import allocate_kv_cache
 from specray.actors.models.layers import TPContext
 from specray.actors.models.qwen3 import TargetModel
 from specray.actors.weights import Checkpoint, torch_dtype
-from specray.config import TargetSpec
+from specray.config import EngineConfig, TargetSpec
 from specray.plan import AttentionMetadata, TargetBatch
 
 
@@ -32,14 +32,13 @@ def free_memory_bytes(
     return min(free, total * gpu_memory_utilization - own_bytes) - reserve
 
 
-def kv_capacity(workers: list, gpu_memory_utilization: float, cpu_bytes: float, block_size: int) -> int:
+def kv_capacity(config: EngineConfig, workers: list) -> int:
     """KV blocks that fit beside ``workers`` (sharing one device) when each
     of them keeps one pool of that many blocks; may be < 2 (callers say
     what to do about it)."""
-    device = workers[0].device
     own = sum(w.weight_bytes for w in workers)
-    budget = free_memory_bytes(device, gpu_memory_utilization, cpu_bytes, own)
-    return int(budget // sum(w.bytes_per_block(block_size) for w in workers))
+    budget = free_memory_bytes(workers[0].device, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, own)
+    return int(budget // sum(w.bytes_per_block(config.kv_block_size) for w in workers))
 
 
 def allocated_bytes(device: torch.device) -> int:

@@ -127,10 +127,6 @@ def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int,
     return tp_group if rank < tp_size else None
 
 
-def _kv_capacity(config: EngineConfig, workers: list) -> int:
-    return kv_capacity(workers, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, config.kv_block_size)
-
-
 class _Channels:
     """How rank 0 and a separate drafter talk: NCCL via CuPy between GPUs,
     torch.distributed gloo between CPU processes."""
@@ -186,7 +182,7 @@ class DrafterActor:
         return node_id()
 
     def kv_capacity(self) -> int:
-        return _kv_capacity(self.config, [self.worker])
+        return kv_capacity(self.config, [self.worker])
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
@@ -263,7 +259,7 @@ class TargetRank:
         )
 
     def kv_capacity(self, with_local_drafter: bool = False) -> int:
-        return _kv_capacity(self.config, [self.worker] + ([self._local_drafter()] if with_local_drafter else []))
+        return kv_capacity(self.config, [self.worker] + ([self._local_drafter()] if with_local_drafter else []))
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)

@@ -30,7 +30,7 @@ def size_kv_pools(config: EngineConfig, workers: list) -> int:
 
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    n = kv_capacity(workers, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, config.kv_block_size)
+    n = kv_capacity(config, workers)
     if n < 2:
         per_block = sum(w.bytes_per_block(config.kv_block_size) for w in workers)
         raise MemoryError(
