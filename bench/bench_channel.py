@@ -99,6 +99,29 @@ def _end(rank: int, args, rendezvous, q) -> None:
     q.put(results)
 
 
+def run_pair(end, args, rendezvous):
+    """Runs ``end(rank, args, rendezvous, queue)`` for ranks 0 and 1 in two
+    spawned processes; returns what one of them puts on the queue."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=end, args=(r, args, rendezvous, q)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    result = None
+    while result is None:  # a crashed end must not leave us waiting
+        try:
+            result = q.get(timeout=1.0)
+        except queue.Empty:
+            dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"a benchmark end exited with code {dead[0]}") from None
+    for proc in procs:
+        proc.join(timeout=60)
+    return result
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--channel", choices=["nccl", "gloo"], default="nccl" if torch.cuda.device_count() >= 2 else "gloo")
@@ -116,23 +139,7 @@ def main(argv=None) -> dict:
         rendezvous = nccl_unique_id()
     else:
         rendezvous = "file://" + os.path.join(tempfile.mkdtemp(), "rdzv")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_end, args=(r, args, rendezvous, q)) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    results = None
-    while results is None:  # a crashed end must not leave us waiting
-        try:
-            results = q.get(timeout=1.0)
-        except queue.Empty:
-            dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
-            if dead:
-                for proc in procs:
-                    proc.kill()
-                raise RuntimeError(f"a channel end exited with code {dead[0]}") from None
-    for proc in procs:
-        proc.join(timeout=60)
+    results = run_pair(_end, args, rendezvous)
     report = {"channel": args.channel, "block_size": args.block_size, "hidden": args.hidden, "taps": args.taps,
               "iters": args.iters, "by_batch": results}
     if args.out:

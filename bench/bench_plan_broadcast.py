@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from bench_channel import run_pair
 
 
 def plan(S: int, B: int, device):
@@ -28,7 +28,7 @@ def plan(S: int, B: int, device):
     return TargetBatch(torch.arange(N, device=device), attn, torch.arange(N), True)
 
 
-def _end(rank: int, args, path: str, q) -> None:
+def _end(rank: int, args, rendezvous: str, q) -> None:
     from specray.actors import workers as W
     from specray.actors.transport import broadcast_message, receive_broadcast
 
@@ -36,7 +36,7 @@ def _end(rank: int, args, path: str, q) -> None:
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{path}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous,
                             rank=rank, world_size=2)
     out = {}
     for S in args.batch:
@@ -69,15 +69,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    path = os.path.join(tempfile.mkdtemp(), "rdzv")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_end, args=(r, args, path, q)) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    report = {"device": args.device, "block_size": args.block_size, "by_batch": q.get(timeout=600)}
-    for proc in procs:
-        proc.join(timeout=60)
+    rendezvous = "file://" + os.path.join(tempfile.mkdtemp(), "rdzv")
+    report = {"device": args.device, "block_size": args.block_size, "by_batch": run_pair(_end, args, rendezvous)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
