@@ -488,9 +488,14 @@ def init_drafter(drafter: Drafter, target, taps, mode: str, calib_seqs, device) 
         t = tl[s]
         for w in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(d.self_attn, w).weight.copy_(getattr(t.self_attn, w).weight)
-        if c.intermediate_size == t.mlp.gate_proj.weight.shape[0]:
-            for w in ("gate_proj", "up_proj", "down_proj"):
-                getattr(d.mlp, w).weight.copy_(getattr(t.mlp, w).weight)
+        n_inter = c.intermediate_size
+        if n_inter <= t.mlp.gate_proj.weight.shape[0]:
+            # A narrower MLP keeps the target neurons with the largest
+            # down-projection norms: a pruned copy of the layer, not noise.
+            keep = t.mlp.down_proj.weight.norm(dim=0).topk(n_inter).indices.sort().values
+            d.mlp.gate_proj.weight.copy_(t.mlp.gate_proj.weight[keep])
+            d.mlp.up_proj.weight.copy_(t.mlp.up_proj.weight[keep])
+            d.mlp.down_proj.weight.copy_(t.mlp.down_proj.weight[:, keep])
         d.input_layernorm.weight.copy_(t.input_layernorm.weight)
         d.post_attention_layernorm.weight.copy_(t.post_attention_layernorm.weight)
         if has_qk_norm:

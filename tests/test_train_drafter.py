@@ -81,6 +81,21 @@ def test_train_forward_matches_reference(tmp_path, arch, intermediate):
             assert diff <= TOL, (a, diff)
 
 
+def test_narrower_mlp_starts_as_a_pruned_copy(tmp_path):
+    hf = make_target(tmp_path / "t", arch="llama")  # intermediate 128
+    cfg = td.drafter_config(hf.config, 2, 48, [1, 2], 8, hf.config.vocab_size - 1)
+    d = td.Drafter(cfg, max_positions=64)
+    calib = [torch.randint(2, hf.config.vocab_size - 1, (20,), generator=torch.Generator().manual_seed(3))]
+    td.init_drafter(d, hf, [1, 2], "target", calib, "cpu")
+    for dl, tl in zip(d.layers, hf.model.layers[-2:], strict=True):
+        norms = tl.mlp.down_proj.weight.norm(dim=0)
+        keep = norms.topk(48).indices.sort().values
+        assert norms[keep].min() >= norms.sort().values[-48]  # the 48 largest
+        torch.testing.assert_close(dl.mlp.gate_proj.weight, tl.mlp.gate_proj.weight[keep])
+        torch.testing.assert_close(dl.mlp.up_proj.weight, tl.mlp.up_proj.weight[keep])
+        torch.testing.assert_close(dl.mlp.down_proj.weight, tl.mlp.down_proj.weight[:, keep])
+
+
 def test_loss_labels_and_positions(tmp_path):
     hf, d, _ = build_and_save(tmp_path, "qwen3", 96)
     B = d.block_size
