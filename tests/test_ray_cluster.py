@@ -82,6 +82,23 @@ def test_ray_matches_inprocess(cluster, tp, placement):
     assert stats["calls"]["submit"] == 2 * len(PROMPTS)
 
 
+def test_three_way_tensor_parallel_group(cluster, tmp_path):
+    """An odd group size (what the default SmolLM2, 9 heads, needs for TP > 1):
+    every rank's shard, the plan broadcast and the all-reduces still give
+    the in-process engine's tokens, with the drafter as its own actor."""
+    hf = make_target(tmp_path / "t", arch="llama", seed=2, num_attention_heads=6, num_key_value_heads=3,
+                     hidden_size=96, intermediate_size=192, head_dim=16, vocab_size=321)
+    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
+    make_drafter(tmp_path / "d", hf.config, seed=12, block_size=8)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tmp_path / "t", tmp_path / "d").generate(PROMPTS, params)]
+    llm = LLM(tmp_path / "t", tmp_path / "d", backend="ray", tensor_parallel_size=3, drafter_placement="separate")
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.shutdown()
+
+
 def test_abort_mid_stream_frees_blocks_everywhere(cluster):
     engine = AsyncEngine.from_config(config(cluster), "ray", 2, "separate")
 
