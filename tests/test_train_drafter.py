@@ -175,7 +175,7 @@ def test_end_to_end_tiny(tmp_path, capsys):
     logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2, 4, 6] and all("val_ce" in r for r in logs)
     spec = DrafterSpec.from_dir(out)
-    assert spec.num_layers == 2 and spec.mask_token_id == 329 and spec.num_target_layers == 4
+    assert spec.num_layers == 4 and spec.mask_token_id == 329 and spec.num_target_layers == 4  # the default depth
     assert json.loads((out / "training.json").read_text())["steps"] == 6
     # A rerun reuses the generated data.
     mtime = (out / "data.pt").stat().st_mtime
