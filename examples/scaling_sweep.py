@@ -173,8 +173,13 @@ def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, 
             try:
                 for llm in llms:  # warm-up: allocator, kernels, first steps
                     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
-                for c in args.concurrency if args.cuda_graphs else []:  # capture each batch size untimed
-                    run_point(llms, c, 8, vocab)
+                # An untimed pass at every concurrency: graphs get captured and
+                # Triton compiles the kernel variants each batch size needs.
+                # Without it, first-use costs (compiles, most likely) landed in
+                # the timed low-concurrency points of whichever configuration
+                # ran first: seconds against a c=1 run of ~3 s.
+                for c in args.concurrency:
+                    run_point(llms, c, 16, vocab)
                 for c in args.concurrency:
                     record({**base, "mode": mode, "concurrency": c, **run_point(llms, c, args.max_tokens, vocab)})
             finally:
