@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 STREAM_DRAFT = 1  # drafter samples a draft token
@@ -80,7 +81,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [S] fp32; 0 = greedy
     top_p: torch.Tensor  # [S] fp32
     top_k: torch.Tensor  # [S] int64; 0 = off
-    seeds: torch.Tensor  # [S] int64
+    keys: torch.Tensor  # [3, S] int64: each request's seed hashed once per stream (seed_keys)
     all_greedy: bool = field(default=True)
     # Some row has top-k or top-p < 1: without them a plain softmax is the
     # distribution, and the full-vocabulary sort is skipped.
@@ -88,12 +89,14 @@ class SamplingTensors:
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
+        all_greedy = all(p.greedy for p in params)
         return SamplingTensors(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            all_greedy=all(p.greedy for p in params),
+            # Greedy rows draw no uniforms: an all-greedy step skips the hash.
+            keys=(torch.zeros(3, len(seeds), dtype=torch.int64) if all_greedy else seed_keys(seeds)).to(device),
+            all_greedy=all_greedy,
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
         )
 
@@ -106,7 +109,7 @@ class SamplingTensors:
             self.temperature.to(device),
             self.top_p.to(device),
             self.top_k.to(device),
-            self.seeds.to(device),
+            self.keys.to(device),
             self.all_greedy,
             self.any_filter,
         )
@@ -123,16 +126,35 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def seed_keys(seeds) -> torch.Tensor:
+    """The seed half of the hash, ``[S]`` -> ``[3, S]`` int64 (row ``stream -
+    1``), computed on the host with numpy once a step with the batch's
+    sampling settings: on a GPU each of these small integer ops would be a
+    kernel launch, repeated for each of the sampled path's three draws."""
+    s = np.asarray(seeds, dtype=np.int64).reshape(1, -1)
+    streams = np.array([[STREAM_DRAFT], [STREAM_ACCEPT], [STREAM_TOKEN]], dtype=np.int64)
+    return torch.from_numpy(_seed_half(s, streams))
+
+
+def _seed_half(seeds, stream):
+    """Operators only: the same code hashes numpy arrays and tensors."""
+    x = _mix32((seeds & _M32) ^ ((stream * 0x9E3779B9) & _M32))
+    return _mix32(x ^ ((seeds >> 32) & _M32))
+
+
+def keyed_uniform(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform in the open interval (0, 1) (float64) for every (key,
+    position) pair, broadcast together; ``keys`` from :func:`seed_keys`."""
+    positions = positions.to(torch.int64)
+    x = _mix32(keys ^ (positions & _M32))
+    x = _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
+    return (x.double() + 0.5) / 4294967296.0
+
+
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """A uniform in the open interval (0, 1) (float64) for every (seed,
     position) pair, broadcast together, in ``stream``."""
-    seeds = seeds.to(torch.int64)
-    positions = positions.to(torch.int64)
-    x = _mix32((seeds & _M32) ^ ((stream * 0x9E3779B9) & _M32))
-    x = _mix32(x ^ ((seeds >> 32) & _M32))
-    x = _mix32(x ^ (positions & _M32))
-    x = _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
-    return (x.double() + 0.5) / 4294967296.0
+    return keyed_uniform(_seed_half(seeds.to(torch.int64), stream), positions)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -200,7 +222,7 @@ def sample_draft_tokens(
     probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G)
     idx, q = sparse_draft(probs, top_k_sparse)
     pos = start_positions[:, None] + 1 + torch.arange(G, device=logits.device)[None]
-    u = hash_uniform(st.seeds[:, None], pos, STREAM_DRAFT).reshape(-1)
+    u = keyed_uniform(st.keys[STREAM_DRAFT - 1][:, None], pos).reshape(-1)
     choice = sample_inverse_cdf(q, u)
     sampled = idx.gather(-1, choice[:, None]).squeeze(-1).view(S, G)
     greedy = (st.temperature == 0)[:, None]
@@ -250,7 +272,7 @@ def verify(
     if G > 0:
         p_d = p[:, :G].gather(-1, draft_tokens[:, :G, None]).squeeze(-1)
         q_d = (draft_q * (draft_idx == draft_tokens[:, :G, None])).sum(-1)
-        u = hash_uniform(st.seeds[:, None], start_positions[:, None] + 1 + i, STREAM_ACCEPT)
+        u = keyed_uniform(st.keys[STREAM_ACCEPT - 1][:, None], start_positions[:, None] + 1 + i)
         accept = (u * q_d < p_d) & real
         n_sampled = accept.int().cumprod(-1).sum(-1)
     else:
@@ -267,7 +289,7 @@ def verify(
         residual = torch.where(total > 0, residual, p_row)
     else:
         residual = p_row
-    u = hash_uniform(st.seeds, start_positions + n_sampled + 1, STREAM_TOKEN)
+    u = keyed_uniform(st.keys[STREAM_TOKEN - 1], start_positions + n_sampled + 1)
     sampled_bonus = sample_inverse_cdf(residual, u)
 
     greedy = st.temperature == 0
