@@ -385,6 +385,21 @@ def drafter_config(tcfg, num_layers, intermediate, taps, block_size, mask_id):
     return c
 
 
+def load_drafter(path: str, tcfg):
+    """(config, state dict) of a checkpoint this script wrote, checked
+    against the target it is to be trained further for."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    config = Qwen3Config.from_pretrained(path)
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(config, name) != getattr(tcfg, name):
+            raise SystemExit(f"--init-from {path}: {name} {getattr(config, name)} != the target's {getattr(tcfg, name)}")
+    if max(config.dflash_config["target_layer_ids"]) >= tcfg.num_hidden_layers:
+        raise SystemExit(f"--init-from {path}: taps {config.dflash_config['target_layer_ids']} past the target's layers")
+    return config, load_file(str(Path(path) / "model.safetensors"))
+
+
 def save_checkpoint(drafter: Drafter, out: Path) -> int:
     """config.json (every Qwen3Config field, not just the diff: DrafterSpec
     reads them explicitly) + model.safetensors in bf16; atomic renames so an
@@ -861,6 +876,8 @@ def parse_args(argv=None):
     a("--block-size", type=int, default=16)
     a("--mask-token-id", type=int, default=None)
     a("--init", choices=("target", "random"), default="target")
+    a("--init-from", default="", help="continue training this drafter checkpoint (its config sets the architecture; "
+      "the learning-rate schedule starts afresh)")
     a("--max-ckpt-mb", type=float, default=32.0)
     # training
     a("--batch-seqs", type=int, default=96, help="sequences per step")
@@ -949,13 +966,20 @@ def main(argv=None):
         f"max {data_stats['max_len']})")
 
     # ---- drafter
-    if args.target_layer_ids:
-        taps = [int(x) for x in args.target_layer_ids.split(",")]
+    state = None
+    if args.init_from:
+        # Continue from a checkpoint: its config decides the architecture.
+        config, state = load_drafter(args.init_from, tcfg)
+        taps, mask_id = config.dflash_config["target_layer_ids"], config.dflash_config["mask_token_id"]
+        inter, args.draft_layers, args.block_size = config.intermediate_size, config.num_hidden_layers, config.block_size
     else:
-        taps = default_taps(tcfg.num_hidden_layers)
-    mask_id = pick_mask_token(tok, tcfg.vocab_size, tokens, args.mask_token_id)
-    inter = args.intermediate_size or tcfg.intermediate_size
-    config = drafter_config(tcfg, args.draft_layers, inter, taps, args.block_size, mask_id)
+        if args.target_layer_ids:
+            taps = [int(x) for x in args.target_layer_ids.split(",")]
+        else:
+            taps = default_taps(tcfg.num_hidden_layers)
+        mask_id = pick_mask_token(tok, tcfg.vocab_size, tokens, args.mask_token_id)
+        inter = args.intermediate_size or tcfg.intermediate_size
+        config = drafter_config(tcfg, args.draft_layers, inter, taps, args.block_size, mask_id)
     drafter = Drafter(config, max_positions=int(lengths.max()) + args.block_size + 64).to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
     mb = 2 * n_params / 2**20
@@ -964,7 +988,11 @@ def main(argv=None):
     if mb > args.max_ckpt_mb:
         raise SystemExit(f"drafter checkpoint would be {mb:.1f} MiB > --max-ckpt-mb {args.max_ckpt_mb}")
     calib = [tokens[offsets[i] : offsets[i] + lengths[i]] for i in keep[:8]]
-    init_info = init_drafter(drafter, target, taps, args.init, calib, device)
+    if state is not None:
+        drafter.load_state_dict({k: v.to(device, torch.float32) for k, v in state.items()})
+        init_info = {"mode": "from", "dir": str(args.init_from)}
+    else:
+        init_info = init_drafter(drafter, target, taps, args.init, calib, device)
     log(f"init: {init_info}")
     save_checkpoint(drafter, out)  # loadable from the start
 

@@ -6,10 +6,12 @@ checkpoint loads in the reference and in specray, and a tiny end-to-end run
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 import torch
 import torch.nn.functional as F
 
@@ -184,6 +186,16 @@ def test_end_to_end_tiny(tmp_path, capsys):
     assert "data: reusing" in capsys.readouterr().out
     out_spec = LLM(str(tmp_path / "t"), str(out)).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(out_spec[0].token_ids) == 8 or out_spec[0].finish_reason == "stop"
+    # Training continues from a checkpoint: with a zero learning rate its
+    # weights come back unchanged, whatever depth the arguments ask for.
+    more = tmp_path / "more"
+    more.mkdir()
+    os.symlink(out / "data.pt", more / "data.pt")
+    summary = td.main(argv[:4] + ["--out", str(more), "--device", "cpu", "--init-from", str(out), "--draft-layers", "3",
+                                  "--max-steps", "2", "--lr", "0", "--batch-seqs", "2", "--anchors", "4"])
+    assert summary["init"] == {"mode": "from", "dir": str(out)} and summary["architecture"]["layers"] == 4
+    before, after = load_file(str(out / "model.safetensors")), load_file(str(more / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_bulk_generator_matches_hf_greedy(tmp_path):
