@@ -143,3 +143,16 @@ def test_unfiltered_rows_skip_the_sort_and_keep_the_softmax():
     assert SamplingTensors.build([SamplingParams(top_p=0.9)], [0], "cpu").any_filter
     assert SamplingTensors.build([SamplingParams(top_k=5)], [0], "cpu").any_filter
     assert not SamplingTensors.build([SamplingParams(temperature=0.0, top_k=5)], [0], "cpu").any_filter
+
+
+def test_sampling_ops_bench_counts_the_keyed_draw_cheaper():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sampling_ops.py"
+    spec = importlib.util.spec_from_file_location("sampling_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = mod.main(["--batch", "2", "--vocab", "64", "--block-size", "4", "--draft-top-k", "8"])["by_batch"][0]
+    assert 0 < row["draw_ops_keyed"] < row["draw_ops_full_hash"]
+    assert row["sampled_step_ops"] > 3 * row["draw_ops_keyed"]  # the step's three draws are in it
