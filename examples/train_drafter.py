@@ -385,19 +385,19 @@ def drafter_config(tcfg, num_layers, intermediate, taps, block_size, mask_id):
     return c
 
 
-def load_drafter(path: str, tcfg):
+def load_drafter(path: str, target_dir: str):
     """(config, state dict) of a checkpoint this script wrote, checked
-    against the target it is to be trained further for."""
+    against the target with the rule serving applies (DrafterSpec.check_fits)."""
     from safetensors.torch import load_file
     from transformers import Qwen3Config
 
-    config = Qwen3Config.from_pretrained(path)
-    for name in ("hidden_size", "vocab_size"):
-        if getattr(config, name) != getattr(tcfg, name):
-            raise SystemExit(f"--init-from {path}: {name} {getattr(config, name)} != the target's {getattr(tcfg, name)}")
-    if max(config.dflash_config["target_layer_ids"]) >= tcfg.num_hidden_layers:
-        raise SystemExit(f"--init-from {path}: taps {config.dflash_config['target_layer_ids']} past the target's layers")
-    return config, load_file(str(Path(path) / "model.safetensors"))
+    from specray.config import ConfigError, DrafterSpec, TargetSpec
+
+    try:
+        DrafterSpec.from_dir(path).check_fits(TargetSpec.from_dir(target_dir))
+    except ConfigError as e:
+        raise SystemExit(f"--init-from: {e}") from None
+    return Qwen3Config.from_pretrained(path), load_file(str(Path(path) / "model.safetensors"))
 
 
 def save_checkpoint(drafter: Drafter, out: Path) -> int:
@@ -969,7 +969,7 @@ def main(argv=None):
     state = None
     if args.init_from:
         # Continue from a checkpoint: its config decides the architecture.
-        config, state = load_drafter(args.init_from, tcfg)
+        config, state = load_drafter(args.init_from, args.target)
         taps, mask_id = config.dflash_config["target_layer_ids"], config.dflash_config["mask_token_id"]
         inter, args.draft_layers, args.block_size = config.intermediate_size, config.num_hidden_layers, config.block_size
     else:
