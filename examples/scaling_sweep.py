@@ -157,7 +157,7 @@ def sweep(args) -> dict:
 
 
 def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, record) -> None:
-    from specray import LLM, SamplingParams
+    from specray import LLM
 
     for tp, placement, replicas in itertools.product(args.tp, args.placement, args.replicas):
         need = gpus_needed(tp, placement, replicas)
@@ -171,10 +171,9 @@ def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, 
                         drafter_placement=placement, max_model_len=args.max_model_len,
                         max_num_seqs=max(args.concurrency), cuda_graphs=args.cuda_graphs) for _ in range(replicas)]
             try:
-                for llm in llms:  # warm-up: allocator, kernels, first steps
-                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
-                # An untimed pass at every concurrency: graphs get captured and
-                # Triton compiles the kernel variants each batch size needs.
+                # An untimed pass at every concurrency (allocator, first steps):
+                # graphs get captured and Triton compiles the kernel variants
+                # each batch size needs.
                 # Without it, first-use costs (compiles, most likely) landed in
                 # the timed low-concurrency points of whichever configuration
                 # ran first: seconds against a c=1 run of ~3 s.
