@@ -17,9 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 from specray import LLM, SamplingParams
 
 
-def profile_engine(llm: LLM, prompt: str, steps: int) -> dict:
+def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0) -> dict:
     core = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=10_000, ignore_eos=True)
     core.add_request(prompt, params)
     for _ in range(8):  # prefill + warm-up (graph capture)
         core.step()
@@ -59,17 +59,19 @@ def main(argv=None):
     p.add_argument("--drafter", required=True)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    res = {}
+    res = {"temperature": args.temperature}
     for name, drafter in (("spec", args.drafter), ("ar", None)):
         llm = LLM(args.target, drafter, device="cuda", cuda_graphs=args.cuda_graphs, max_num_seqs=8,
                   gpu_memory_utilization=0.3)
-        res[name] = profile_engine(llm, args.prompt, args.steps)
+        res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature)
         del llm
         torch.cuda.empty_cache()
-    for name, r in res.items():
+    for name in ("spec", "ar"):
+        r = res[name]
         print(f"== {name}: " + ", ".join(f"{k} {v}" for k, v in r.items() if k != "cpu_table"))
         print(r["cpu_table"])
     s, a = res["spec"], res["ar"]
