@@ -49,6 +49,7 @@ plus train_log.jsonl and training.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -360,6 +361,10 @@ def default_taps(num_target_layers: int) -> list[int]:
     return [round(1 + i * (L - 4) / 4) for i in range(5)] if L >= 8 else list(range(1, max(L - 1, 2)))
 
 
+def parse_taps(text: str) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
 def drafter_config(tcfg, num_layers, intermediate, taps, block_size, mask_id):
     from transformers import Qwen3Config
 
@@ -526,6 +531,54 @@ def init_drafter(drafter: Drafter, target, taps, mode: str, calib_seqs, device) 
     drafter.fc.weight[:, j * H : (j + 1) * H] = torch.eye(H)
     return {"mode": "target", "source_layers": src, "fc_identity_tap": taps[j],
             "qk_scales": {str(k): [round(v[0], 4), round(v[1], 4)] for k, v in scales.items()}}
+
+
+def checkpoint_depth(args, config) -> int:
+    """The depth to train an --init-from checkpoint at: its own, or a larger
+    explicit --draft-layers (growth). The checkpoint sets the rest of the
+    architecture, so an explicit flag that disagrees with it is an error
+    rather than silently ignored."""
+    dc = config.dflash_config
+    given = {"--intermediate-size": (args.intermediate_size or None, config.intermediate_size),
+             "--target-layer-ids": (parse_taps(args.target_layer_ids), dc["target_layer_ids"]),
+             "--block-size": (args.block_size, config.block_size),
+             "--mask-token-id": (args.mask_token_id, dc["mask_token_id"])}
+    for flag, (asked, have) in given.items():
+        if asked is not None and asked != have:
+            raise SystemExit(f"{flag} {asked} conflicts with the --init-from checkpoint's {have}")
+    k = config.num_hidden_layers
+    if args.draft_layers is not None and args.draft_layers < k:
+        raise SystemExit(f"--draft-layers {args.draft_layers} is fewer than the {k} layers of the --init-from "
+                         f"checkpoint (growing only adds layers)")
+    return k if args.draft_layers is None else args.draft_layers
+
+
+@torch.no_grad()
+def grow_drafter(config, state, n: int, target, taps, mode: str, calib_seqs, device):
+    """(config, state dict, info) of an ``n``-layer drafter: the checkpoint's
+    k layers and every other weight unchanged, then n - k new layers, set as
+    ``init_drafter`` sets a fresh (n - k)-layer drafter: from the target's
+    last n - k layers, the ones a fresh n-layer drafter puts at these last
+    positions, since they feed the final norm and lm_head as these do."""
+    k = config.num_hidden_layers
+    grown = copy.deepcopy(config)
+    grown.num_hidden_layers = grown.max_window_layers = n
+    grown.layer_types = list(config.layer_types) + ["full_attention"] * (n - k)  # the only kind Drafter runs
+    extra = copy.deepcopy(grown)
+    extra.num_hidden_layers = n - k
+    fresh = Drafter(extra, max_positions=1).to(device)
+    info = init_drafter(fresh, target, taps, mode, calib_seqs, device)
+    state = dict(state)
+    for i, layer in enumerate(fresh.layers):
+        # Zero residual branches: the grown drafter starts as exactly the
+        # checkpoint's function, so training resumes from its quality, not
+        # from what a copied target layer does to it.
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        state.update({f"layers.{k + i}.{name}": v for name, v in layer.state_dict().items()})
+    return grown, state, {"checkpoint_layers": k, "new_layers": list(range(k, n)), "new_layers_init": mode,
+                          "source_layers": info.get("source_layers"), "qk_scales": info.get("qk_scales"),
+                          "zeroed": ["self_attn.o_proj", "mlp.down_proj"]}
 
 
 # --------------------------------------------------------------------------
@@ -870,14 +923,15 @@ def parse_args(argv=None):
     a("--regen", action="store_true", help="ignore a cached OUT/data.pt")
     a("--gen-only", action="store_true", help="stop after stage 1 (OUT/data.pt)")
     # model
-    a("--draft-layers", type=int, default=4)
+    a("--draft-layers", type=int, default=None,
+      help="default 4; with --init-from, more than the checkpoint's layers grows it (new layers added last)")
     a("--intermediate-size", type=int, default=0, help="0 = the target's")
     a("--target-layer-ids", default="", help="comma list; default: 5 taps spaced as build_target_layer_ids(L, 5)")
-    a("--block-size", type=int, default=16)
+    a("--block-size", type=int, default=None, help="default 16")
     a("--mask-token-id", type=int, default=None)
     a("--init", choices=("target", "random"), default="target")
     a("--init-from", default="", help="continue training this drafter checkpoint (its config sets the architecture; "
-      "the learning-rate schedule starts afresh)")
+      "the learning-rate schedule starts afresh); architecture flags given with it must agree with it")
     a("--max-ckpt-mb", type=float, default=32.0)
     # training
     a("--batch-seqs", type=int, default=96, help="sequences per step")
@@ -927,6 +981,10 @@ def main(argv=None):
     tcfg = target.config
     log(f"target {args.target}: {tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, vocab {tcfg.vocab_size}, "
         f"{dtype} on {device}")
+    ckpt = None
+    if args.init_from:  # before stage 1: a checkpoint or flag that does not fit fails now, not after generation
+        ckpt = load_drafter(args.init_from, args.target)
+        depth = checkpoint_depth(args, ckpt[0])
 
     # ---- stage 1
     cache = out / "data.pt"
@@ -966,17 +1024,21 @@ def main(argv=None):
         f"max {data_stats['max_len']})")
 
     # ---- drafter
+    calib = [tokens[offsets[i] : offsets[i] + lengths[i]] for i in keep[:8]]
     state = None
-    if args.init_from:
+    if ckpt is not None:
         # Continue from a checkpoint: its config decides the architecture.
-        config, state = load_drafter(args.init_from, args.target)
+        config, state = ckpt
         taps, mask_id = config.dflash_config["target_layer_ids"], config.dflash_config["mask_token_id"]
-        inter, args.draft_layers, args.block_size = config.intermediate_size, config.num_hidden_layers, config.block_size
+        inter, args.draft_layers, args.block_size = config.intermediate_size, depth, config.block_size
+        init_info = {"mode": "from", "dir": str(args.init_from)}
+        if depth > config.num_hidden_layers:
+            config, state, grow_info = grow_drafter(config, state, depth, target, taps, args.init, calib, device)
+            init_info = {"mode": "grow", "dir": str(args.init_from), **grow_info}
     else:
-        if args.target_layer_ids:
-            taps = [int(x) for x in args.target_layer_ids.split(",")]
-        else:
-            taps = default_taps(tcfg.num_hidden_layers)
+        args.draft_layers = 4 if args.draft_layers is None else args.draft_layers
+        args.block_size = 16 if args.block_size is None else args.block_size
+        taps = parse_taps(args.target_layer_ids) or default_taps(tcfg.num_hidden_layers)
         mask_id = pick_mask_token(tok, tcfg.vocab_size, tokens, args.mask_token_id)
         inter = args.intermediate_size or tcfg.intermediate_size
         config = drafter_config(tcfg, args.draft_layers, inter, taps, args.block_size, mask_id)
@@ -987,10 +1049,8 @@ def main(argv=None):
         f"mask {mask_id} ({tok.convert_ids_to_tokens(mask_id)!r}), {n_params / 1e6:.2f}M params = {mb:.1f} MiB bf16")
     if mb > args.max_ckpt_mb:
         raise SystemExit(f"drafter checkpoint would be {mb:.1f} MiB > --max-ckpt-mb {args.max_ckpt_mb}")
-    calib = [tokens[offsets[i] : offsets[i] + lengths[i]] for i in keep[:8]]
     if state is not None:
         drafter.load_state_dict({k: v.to(device, torch.float32) for k, v in state.items()})
-        init_info = {"mode": "from", "dir": str(args.init_from)}
     else:
         init_info = init_drafter(drafter, target, taps, args.init, calib, device)
     log(f"init: {init_info}")

@@ -187,15 +187,82 @@ def test_end_to_end_tiny(tmp_path, capsys):
     out_spec = LLM(str(tmp_path / "t"), str(out)).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(out_spec[0].token_ids) == 8 or out_spec[0].finish_reason == "stop"
     # Training continues from a checkpoint: with a zero learning rate its
-    # weights come back unchanged, whatever depth the arguments ask for.
+    # weights come back unchanged (at its own depth, asked for or not).
     more = tmp_path / "more"
     more.mkdir()
     os.symlink(out / "data.pt", more / "data.pt")
-    summary = td.main(argv[:4] + ["--out", str(more), "--device", "cpu", "--init-from", str(out), "--draft-layers", "3",
+    summary = td.main(argv[:4] + ["--out", str(more), "--device", "cpu", "--init-from", str(out), "--draft-layers", "4",
                                   "--max-steps", "2", "--lr", "0", "--batch-seqs", "2", "--anchors", "4"])
     assert summary["init"] == {"mode": "from", "dir": str(out)} and summary["architecture"]["layers"] == 4
     before, after = load_file(str(out / "model.safetensors")), load_file(str(more / "model.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def grow_setup(tmp_path):
+    """A 2-layer checkpoint (build_and_save) for a target with a tokenizer,
+    and a cached data.pt in OUT, so main() goes straight to the drafter."""
+    hf, d, _ = build_and_save(tmp_path, "llama", 128)
+    add_tokenizer(tmp_path / "t", 320)
+    out = tmp_path / "out"
+    out.mkdir()
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(2, 300, (n,), generator=g, dtype=torch.int32) for n in (30, 26, 34, 28)]
+    torch.save({"tokens": torch.cat(seqs), "lengths": torch.tensor([len(s) for s in seqs]),
+                "prompt_lens": torch.tensor([10, 8, 12, 9]), "meta": {"max_new_tokens": 24, "temperature": 0.0}},
+               out / "data.pt")
+    argv = ["--target", str(tmp_path / "t"), "--out", str(out), "--device", "cpu", "--init-from", str(tmp_path / "d"),
+            "--max-steps", "1", "--log-every", "1", "--lr", "0", "--batch-seqs", "2", "--anchors", "4"]
+    return hf, d, out, argv
+
+
+def test_init_from_grows_the_checkpoint(tmp_path):
+    hf, d, out, argv = grow_setup(tmp_path)
+    summary = td.main(argv + ["--draft-layers", "3"])
+    init = summary["init"]
+    assert (init["mode"], init["checkpoint_layers"], init["new_layers"]) == ("grow", 2, [2])
+    assert init["source_layers"] == [3]  # the target's last layer, as for a fresh drafter's last position
+    assert json.loads((out / "training.json").read_text())["init"] == init
+    assert summary["architecture"]["layers"] == 3 and summary["architecture"]["block_size"] == 8
+    spec = DrafterSpec.from_dir(out)
+    spec.check_fits(TargetSpec.from_dir(tmp_path / "t"))
+    assert spec.num_layers == 3 and spec.target_layer_ids == (1, 2) and spec.mask_token_id == 319
+
+    # Everything the checkpoint had comes back bit for bit; the new layer is
+    # the target's last one with its residual branches zeroed.
+    before, after = load_file(str(tmp_path / "d" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    new = {k for k in after if k.startswith("layers.2.")}
+    assert new and after.keys() == before.keys() | new
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not after["layers.2.self_attn.o_proj.weight"].any() and not after["layers.2.mlp.down_proj.weight"].any()
+    src = hf.model.layers[3]
+    assert torch.equal(after["layers.2.self_attn.q_proj.weight"], src.self_attn.q_proj.weight.bfloat16())
+    assert torch.equal(after["layers.2.mlp.gate_proj.weight"], src.mlp.gate_proj.weight.bfloat16())
+
+    # ... so the grown drafter computes what the checkpoint computes.
+    from transformers import Qwen3Config
+
+    grown = td.Drafter(Qwen3Config.from_pretrained(str(out)), max_positions=128)
+    grown.load_state_dict({k: v.float() for k, v in after.items()})
+    ids = torch.randint(2, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = hf.model(input_ids=ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[2], hs[3]], -1)
+        anchors = torch.tensor([[5, 17, 30]])
+        block = ids[0, anchors[0]][:, None].repeat(1, 8)
+        block[:, 1:] = 319
+        x = F.embedding(block, hf.get_input_embeddings().weight)[None]
+        want, got = d(feats, x, anchors) @ hf.lm_head.weight.T, grown.eval()(feats, x, anchors) @ hf.lm_head.weight.T
+    torch.testing.assert_close(got, want)
+
+
+def test_init_from_rejects_fewer_layers_and_conflicting_flags(tmp_path):
+    _, _, _, argv = grow_setup(tmp_path)
+    with pytest.raises(SystemExit, match="--draft-layers 1 is fewer than the 2 layers of the --init-from checkpoint"):
+        td.main(argv + ["--draft-layers", "1"])
+    with pytest.raises(SystemExit, match="--block-size 16 conflicts with the --init-from checkpoint's 8"):
+        td.main(argv + ["--draft-layers", "3", "--block-size", "16"])
+    with pytest.raises(SystemExit, match="--target-layer-ids"):
+        td.main(argv + ["--target-layer-ids", "0,2"])
 
 
 def test_bulk_generator_matches_hf_greedy(tmp_path):
