@@ -7,9 +7,13 @@ self-distillation, on one GPU, in a few minutes.
     python examples/train_drafter.py --target ~/.cache/specray/smollm2-135m-instruct \
         --out runs/drafter --device cuda
 
-The defaults are the shipped drafter's recipe (its training.json lists every
-argument): 4 layers, 14 M tokens, a 750 s budget for features + training on
-the cached data (~165 s of data generation before it, in its own run).
+The defaults are the first stage of the shipped drafter's recipe: 4
+layers, 14 M tokens, a 750 s budget for features + training on the cached
+data (~165 s of data generation before it, in its own run). It was then
+continued twice with ``--init-from`` (``--lr 3e-4`` for 760 s, ``--lr 2e-4``
+for 380 s; ``--warmup-steps 50``): each stage's training.json lists every
+argument (the last stage's beside the checkpoint, the others in
+``earlier_stages/``).
 
 Stage 1 (data): with ``--magpie N`` the target first writes N user messages
 itself (sampled from the chat template cut where a user turn starts, after a
