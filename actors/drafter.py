@@ -150,5 +150,5 @@ class DrafterWorker:
                 self.kv_cache,
             )
             logits = self.model.logits(hidden[:, 1:])
-        tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), ctx_lens, self.draft_top_k)
+        tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), self.draft_top_k)
         return DraftOutput(tokens, idx, q)

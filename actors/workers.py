@@ -63,11 +63,13 @@ def unpack_target_batch(ts: list[torch.Tensor]) -> TargetBatch:
 
 def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
     """Four tensors: the draft blocks, the block tables, the integer fields
-    and the sampling floats."""
+    (the float64 uniforms ride along as their bit patterns) and the sampling
+    floats."""
     st = b.sampling
-    meta = torch.tensor([b.max_ctx_len, int(st.all_greedy), int(st.any_filter)], dtype=torch.int64)
-    fields = [b.ctx_lens.cpu(), b.block_lens.cpu(), st.top_k.cpu(), st.keys.cpu().reshape(-1), meta]
-    ints = torch.cat(fields)  # [6S + 3]
+    W = st.uniforms.shape[-1]
+    meta = torch.tensor([b.max_ctx_len, int(st.all_greedy), int(st.any_filter), W], dtype=torch.int64)
+    uniform_bits = st.uniforms.cpu().reshape(-1).view(torch.int64)
+    ints = torch.cat([b.ctx_lens.cpu(), b.block_lens.cpu(), st.top_k.cpu(), uniform_bits, meta])  # [3S + 3SW + 4]
     floats = torch.stack([st.temperature.cpu(), st.top_p.cpu()])  # [2, S]
     return [b.block_ids, b.block_tables, ints, floats]
 
@@ -75,11 +77,11 @@ def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
 def unpack_draft_batch(ts: list[torch.Tensor]) -> DraftBatch:
     block_ids, tables, ints, floats = ts
     S = block_ids.shape[0]
+    max_ctx, all_greedy, any_filter, W = ints[-4:].tolist()
     ctx_lens, block_lens, top_k = ints[: 3 * S].view(3, S)
-    keys = ints[3 * S : 6 * S].view(3, S)
-    max_ctx, all_greedy, any_filter = ints[6 * S :].tolist()
+    uniforms = ints[3 * S : 3 * S + 3 * S * W].view(torch.float64).view(3, S, W)
     return DraftBatch(block_ids, ctx_lens, block_lens, tables, max_ctx,
-                      SamplingTensors(floats[0], floats[1], top_k, keys, bool(all_greedy), bool(any_filter)))
+                      SamplingTensors(floats[0], floats[1], top_k, uniforms, bool(all_greedy), bool(any_filter)))
 
 
 def pack_draft_output(o: DraftOutput) -> list[torch.Tensor]:

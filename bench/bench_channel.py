@@ -38,7 +38,7 @@ def step_messages(S: int, B: int, width: int, device) -> tuple[list, object]:
     batch = DraftBatch(
         block_ids=torch.zeros(S, B, dtype=torch.int64), ctx_lens=torch.full((S,), 100),
         block_lens=torch.full((S,), B), block_tables=torch.zeros(S, 64, dtype=torch.int32), max_ctx_len=100,
-        sampling=SamplingTensors.build([SamplingParams(temperature=0)] * S, list(range(S)), "cpu"),
+        sampling=SamplingTensors.build([SamplingParams(temperature=0)] * S, list(range(S)), [0] * S, 16),
     )
     return [hidden, positions, slots], batch
 

@@ -35,7 +35,7 @@ from specray.detokenizer import (
 )
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.request import Request, RequestOutput
-from specray.sampling import SamplingParams, SamplingTensors, verify
+from specray.sampling import SamplingParams, SamplingTensors, host_to_device, verify
 from specray.scheduler import DecodeItem, PrefillItem, Scheduler
 
 
@@ -183,7 +183,10 @@ class EngineCore:
             return []
         decode = plan.decode
         params = [d.request.params for d in decode]
-        st_cpu = SamplingTensors.build(params, [d.request.seed for d in decode], "cpu")
+        # A verify block reads the uniforms of its block_size positions after
+        # the request's computed length, the drafter the first block_size - 1.
+        st_cpu = SamplingTensors.build(params, [d.request.seed for d in decode],
+                                       [d.request.num_computed for d in decode], self.block_size)
 
         drafts = None
         if self.drafter is not None and decode:
@@ -196,13 +199,14 @@ class EngineCore:
 
         batch, draft_dst, draft_src, logit_rows = self._target_batch(decode, plan.prefill)
         if drafts is not None:
-            batch.input_ids = batch.input_ids.to(self.device)
+            batch.input_ids = host_to_device(batch.input_ids, self.device)
             if batch.uniform_rows:
                 # Rows past a cut-short block write to the reserved slot and
                 # are never read, so every row 1.. may take its draft.
                 batch.input_ids.view(len(decode), -1)[:, 1:] = drafts.tokens.to(self.device)
             else:
-                batch.input_ids[draft_dst.to(self.device)] = drafts.tokens.reshape(-1)[draft_src.to(self.device)]
+                dst, src = host_to_device(draft_dst, self.device), host_to_device(draft_src, self.device)
+                batch.input_ids[dst] = drafts.tokens.reshape(-1)[src]
         self._sync()
         t = time.perf_counter()
         logits = self.target.execute(batch)
@@ -311,9 +315,7 @@ class EngineCore:
         G = verify_rows.shape[1] - 1 if S else 0
         if S:
             st = st_cpu.to(dev)
-            # Greedy verification reads no start positions: none to copy.
-            starts = None if st.all_greedy else torch.tensor([d.request.num_computed for d in decode], device=dev)
-            num_drafts = torch.tensor([d.block_len - 1 for d in decode], device=dev)
+            num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
             if drafts is not None:
                 draft_tokens = drafts.tokens[:, :G].to(dev)
                 idx = drafts.draft_idx[:, :G].to(dev) if drafts.draft_idx is not None else None
@@ -323,17 +325,16 @@ class EngineCore:
             if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
                 target_logits = logits.view(S, uniform_rows, -1)[:, : G + 1]
             else:
-                target_logits = logits[verify_rows.to(dev)]
-            res = verify(target_logits, draft_tokens, num_drafts, st, starts, idx, q)
+                target_logits = logits[host_to_device(verify_rows, dev)]
+            res = verify(target_logits, draft_tokens, num_drafts, st, idx, q)
             parts += [res.num_accepted, res.bonus, draft_tokens.reshape(-1)]
         sampling = [p for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
         if sampling:
             ps = [p.request.params for p in sampling]
-            st = SamplingTensors.build(ps, [p.request.seed for p in sampling], dev)
-            starts = torch.tensor([p.end - 1 for p in sampling], device=dev)
+            st = SamplingTensors.build(ps, [p.request.seed for p in sampling], [p.end - 1 for p in sampling], 1, dev)
             no_drafts = torch.zeros(len(sampling), 0, dtype=torch.long, device=dev)
             zeros = torch.zeros(len(sampling), dtype=torch.long, device=dev)
-            first = verify(logits[sample_rows.to(dev)][:, None], no_drafts, zeros, st, starts)
+            first = verify(logits[host_to_device(sample_rows, dev)][:, None], no_drafts, zeros, st)
             parts.append(first.bonus)
         host = torch.cat([p.reshape(-1).long() for p in parts]).tolist() if parts else []
         n_acc, bonus = host[:S], host[S : 2 * S]

@@ -8,6 +8,11 @@ recomputed after preemption reproduces itself. It stays exact: a step's
 emitted tokens depend only on the uniforms of positions up to the first
 rejection, so the uniforms the next step uses are still fresh.
 
+A step can only touch the ``W`` positions after each request's start (its
+verify block), so the host hashes exactly those, with numpy, once a step,
+and ships them as ``SamplingTensors.uniforms`` ``[3, S, W]``: on a GPU
+each of the hash's small integer operators would be a kernel launch.
+
 The draft distribution ``q`` is the drafter's filtered distribution
 restricted to its top ``K`` tokens and renormalised. Rejection sampling is
 exact for any ``q`` that is known exactly, and ``[K]`` indices + probs per
@@ -81,38 +86,52 @@ class SamplingTensors:
     temperature: torch.Tensor  # [S] fp32; 0 = greedy
     top_p: torch.Tensor  # [S] fp32
     top_k: torch.Tensor  # [S] int64; 0 = off
-    keys: torch.Tensor  # [3, S] int64: each request's seed hashed once per stream (seed_keys)
+    # [3, S, W] float64: row ``stream - 1``, column j = the uniform of
+    # position start + 1 + j (host_uniforms); [3, S, 0] when all greedy.
+    uniforms: torch.Tensor
     all_greedy: bool = field(default=True)
     # Some row has top-k or top-p < 1: without them a plain softmax is the
     # distribution, and the full-vocabulary sort is skipped.
     any_filter: bool = field(default=True)
 
     @staticmethod
-    def build(params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
+    def build(params: list[SamplingParams], seeds: list[int], starts: list[int], width: int,
+              device="cpu") -> "SamplingTensors":
+        """Settings of ``params``, and the uniforms of positions ``start + 1
+        .. start + width`` of each row (a step that verifies ``width - 1``
+        drafts reads no others)."""
         all_greedy = all(p.greedy for p in params)
-        return SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            # Greedy rows draw no uniforms: an all-greedy step skips the hash.
-            keys=(torch.zeros(3, len(seeds), dtype=torch.int64) if all_greedy else seed_keys(seeds)).to(device),
+        st = SamplingTensors(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            # Greedy rows draw no uniforms: an all-greedy step hashes nothing.
+            uniforms=host_uniforms(seeds, starts, 0 if all_greedy else width),
             all_greedy=all_greedy,
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
         )
+        return st.to(device)
 
     def to(self, device) -> "SamplingTensors":
         """On ``device``; an all-greedy batch stays where it is (greedy
-        drafting and verification read none of its tensors: no copies)."""
+        drafting and verification read none of its tensors: no copies).
+        Copies go through pinned memory without waiting for the device."""
         if self.all_greedy:
             return self
-        return SamplingTensors(
-            self.temperature.to(device),
-            self.top_p.to(device),
-            self.top_k.to(device),
-            self.keys.to(device),
-            self.all_greedy,
-            self.any_filter,
-        )
+        move = lambda t: host_to_device(t, device)  # noqa: E731
+        return SamplingTensors(move(self.temperature), move(self.top_p), move(self.top_k), move(self.uniforms),
+                               self.all_greedy, self.any_filter)
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor bound for a GPU goes through
+    pinned memory as an asynchronous copy: a plain ``.to()`` from pageable
+    memory waits for the device to drain its queue, which stalls the host
+    while the model runs."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------- randomness
@@ -126,14 +145,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seed_keys(seeds) -> torch.Tensor:
+def seed_keys(seeds) -> np.ndarray:
     """The seed half of the hash, ``[S]`` -> ``[3, S]`` int64 (row ``stream -
-    1``), computed on the host with numpy once a step with the batch's
-    sampling settings: on a GPU each of these small integer ops would be a
-    kernel launch, repeated for each of the sampled path's three draws."""
+    1``)."""
     s = np.asarray(seeds, dtype=np.int64).reshape(1, -1)
     streams = np.array([[STREAM_DRAFT], [STREAM_ACCEPT], [STREAM_TOKEN]], dtype=np.int64)
-    return torch.from_numpy(_seed_half(s, streams))
+    return _seed_half(s, streams)
+
+
+def host_uniforms(seeds, starts, width: int) -> torch.Tensor:
+    """``[3, S, width]`` float64: the uniform of stream ``k + 1`` at
+    position ``starts[s] + 1 + j`` in ``[k, s, j]``; the same values as
+    :func:`hash_uniform`, computed with numpy on the host."""
+    keys = seed_keys(seeds)[:, :, None]  # [3, S, 1]
+    pos = np.asarray(starts, dtype=np.int64).reshape(-1, 1) + 1 + np.arange(width, dtype=np.int64)[None]  # [S, W]
+    x = _mix32(keys ^ (pos & _M32))
+    x = _mix32(x ^ ((pos >> 32) & _M32) ^ 0x5BD1E995)
+    return torch.from_numpy((x.astype(np.float64) + 0.5) / 4294967296.0)
 
 
 def _seed_half(seeds, stream):
@@ -142,19 +170,14 @@ def _seed_half(seeds, stream):
     return _mix32(x ^ ((seeds >> 32) & _M32))
 
 
-def keyed_uniform(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A uniform in the open interval (0, 1) (float64) for every (key,
-    position) pair, broadcast together; ``keys`` from :func:`seed_keys`."""
-    positions = positions.to(torch.int64)
-    x = _mix32(keys ^ (positions & _M32))
-    x = _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
-    return (x.double() + 0.5) / 4294967296.0
-
-
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """A uniform in the open interval (0, 1) (float64) for every (seed,
-    position) pair, broadcast together, in ``stream``."""
-    return keyed_uniform(_seed_half(seeds.to(torch.int64), stream), positions)
+    position) pair, broadcast together, in ``stream``: the definition, in
+    torch (the reference :func:`host_uniforms` is tested against)."""
+    positions = positions.to(torch.int64)
+    x = _mix32(_seed_half(seeds.to(torch.int64), stream) ^ (positions & _M32))
+    x = _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
+    return (x.double() + 0.5) / 4294967296.0
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -209,20 +232,20 @@ def sparse_draft(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def sample_draft_tokens(
-    logits: torch.Tensor, st: SamplingTensors, start_positions: torch.Tensor, top_k_sparse: int
+    logits: torch.Tensor, st: SamplingTensors, top_k_sparse: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Draft tokens from draft logits ``[S, G, V]`` for block rows at
-    positions ``start + 1 .. start + G``. Greedy rows take the argmax; the
-    others sample from the sparse ``q`` whose ``(indices, probs)``
-    ``[S, G, K]`` are returned for verification."""
+    positions ``start + 1 .. start + G`` (``st.uniforms`` built with these
+    starts). Greedy rows take the argmax; the others sample from the sparse
+    ``q`` whose ``(indices, probs)`` ``[S, G, K]`` are returned for
+    verification."""
     S, G, V = logits.shape
     argmax = logits.argmax(-1)
     if st.all_greedy:
         return argmax, None, None
     probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G)
     idx, q = sparse_draft(probs, top_k_sparse)
-    pos = start_positions[:, None] + 1 + torch.arange(G, device=logits.device)[None]
-    u = keyed_uniform(st.keys[STREAM_DRAFT - 1][:, None], pos).reshape(-1)
+    u = st.uniforms[STREAM_DRAFT - 1, :, :G].reshape(-1)
     choice = sample_inverse_cdf(q, u)
     sampled = idx.gather(-1, choice[:, None]).squeeze(-1).view(S, G)
     greedy = (st.temperature == 0)[:, None]
@@ -242,7 +265,6 @@ def verify(
     draft_tokens: torch.Tensor,
     num_drafts: torch.Tensor,
     st: SamplingTensors,
-    start_positions: torch.Tensor | None,
     draft_idx: torch.Tensor | None = None,
     draft_q: torch.Tensor | None = None,
 ) -> VerifyResult:
@@ -253,8 +275,8 @@ def verify(
     ``draft_tokens`` ``[S, G]`` (block rows 1..G); sequence ``s`` uses only
     its first ``num_drafts[s]`` drafts. Greedy rows accept while the draft
     equals the target argmax; sampled rows run speculative rejection
-    sampling against the sparse draft distribution (``start_positions``
-    seeds their uniforms; all-greedy batches may pass None).
+    sampling against the sparse draft distribution, with ``st.uniforms``
+    built for positions ``start + 1 .. start + G + 1``.
     """
     S, G1, V = target_logits.shape
     G = G1 - 1
@@ -272,7 +294,7 @@ def verify(
     if G > 0:
         p_d = p[:, :G].gather(-1, draft_tokens[:, :G, None]).squeeze(-1)
         q_d = (draft_q * (draft_idx == draft_tokens[:, :G, None])).sum(-1)
-        u = keyed_uniform(st.keys[STREAM_ACCEPT - 1][:, None], start_positions[:, None] + 1 + i)
+        u = st.uniforms[STREAM_ACCEPT - 1, :, :G]
         accept = (u * q_d < p_d) & real
         n_sampled = accept.int().cumprod(-1).sum(-1)
     else:
@@ -289,7 +311,7 @@ def verify(
         residual = torch.where(total > 0, residual, p_row)
     else:
         residual = p_row
-    u = keyed_uniform(st.keys[STREAM_TOKEN - 1], start_positions + n_sampled + 1)
+    u = st.uniforms[STREAM_TOKEN - 1].gather(1, n_sampled[:, None]).squeeze(1)
     sampled_bonus = sample_inverse_cdf(residual, u)
 
     greedy = st.temperature == 0

@@ -104,7 +104,7 @@ class BulkGenerator:
         tables = self._tables(n)
         rows = torch.arange(n, device=dev)
         stop = torch.tensor(stop_ids, device=dev)
-        st = SamplingTensors.build([SamplingParams(temperature=temperature, top_p=top_p)] * n, [0] * n, dev)
+        st = SamplingTensors.build([SamplingParams(temperature=temperature, top_p=top_p)] * n, [0] * n, [0] * n, 0, dev)
         tok = _sample(self._prefill(prompts, tables), st, gen)
         pos = torch.tensor([len(p) for p in prompts], device=dev)
         out = torch.empty(n, self.max_new, dtype=torch.int64, device=dev)

@@ -58,3 +58,16 @@ def test_gpu_bf16_runs_and_stays_close(ckpt):
     outs = generate(ckpt, True, "cuda", "bfloat16", sampled)
     assert all(len(o) == 32 for o in outs)
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_fp32_seeded_sampling_matches_cpu(ckpt, graphs):
+    """Seeded sampling draws the same tokens on the GPU as on the CPU: the
+    host ships each step's uniforms and the sampling settings through
+    pinned, asynchronous copies, and nothing may race them."""
+    sampled = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95 if i % 2 else 1.0, seed=i, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    for drafter in (True, False):
+        cpu = generate(ckpt, drafter, "cpu", "float32", sampled)
+        gpu = generate(ckpt, drafter, "cuda", "float32", sampled, cuda_graphs=graphs)
+        assert gpu == cpu, f"drafter={drafter}"
