@@ -106,7 +106,8 @@ class SamplingTensors:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
             # Greedy rows draw no uniforms: an all-greedy step hashes nothing.
-            uniforms=host_uniforms(seeds, starts, 0 if all_greedy else width),
+            uniforms=torch.zeros(3, len(seeds), 0, dtype=torch.float64) if all_greedy
+            else host_uniforms(seeds, starts, width),
             all_greedy=all_greedy,
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
         )
