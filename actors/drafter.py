@@ -138,12 +138,10 @@ class DrafterWorker:
             (logits,) = self.graphs.run(n, {"block_ids": batch.block_ids, "ctx_lens": batch.ctx_lens,
                                            "block_lens": batch.block_lens, "block_tables": batch.block_tables})
             logits = logits[:n]
-            ctx_lens = self.graphs.buffers["ctx_lens"][:n]
         else:
-            ctx_lens = batch.ctx_lens.to(dev, non_blocking=True)
             hidden = self.model.propose_hidden(
                 batch.block_ids.to(dev, non_blocking=True),
-                ctx_lens,
+                batch.ctx_lens.to(dev, non_blocking=True),
                 batch.block_lens.to(dev, non_blocking=True),
                 batch.block_tables.to(dev, non_blocking=True),
                 batch.max_ctx_len,

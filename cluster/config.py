@@ -325,6 +325,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_speculative_tokens is not None and int(self.num_speculative_tokens) < 1:
+            # A drafter that drafts nothing would still run every step: run without one instead.
+            raise ConfigError(f"num_speculative_tokens must be at least 1 (or unset), got "
+                              f"{self.num_speculative_tokens}; to decode without speculation, give no drafter")
 
     @property
     def resolved_dtype(self) -> str:

@@ -64,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (or -1 for none), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -99,7 +101,8 @@ class SamplingTensors:
               device="cpu") -> "SamplingTensors":
         """Settings of ``params``, and the uniforms of positions ``start + 1
         .. start + width`` of each row (a step that verifies ``width - 1``
-        drafts reads no others)."""
+        drafts reads no others). An all-greedy batch stays on the host:
+        nothing reads its tensors."""
         all_greedy = all(p.greedy for p in params)
         st = SamplingTensors(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
@@ -128,7 +131,8 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     """``t`` on ``device``. A host tensor bound for a GPU goes through
     pinned memory as an asynchronous copy: a plain ``.to()`` from pageable
     memory waits for the device to drain its queue, which stalls the host
-    while the model runs."""
+    while the model runs. An already pinned ``t`` is copied from as it is:
+    the caller must leave it unchanged until the copy has run."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
@@ -244,6 +248,7 @@ def sample_draft_tokens(
     argmax = logits.argmax(-1)
     if st.all_greedy:
         return argmax, None, None
+    _check_width(st, G)
     probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G)
     idx, q = sparse_draft(probs, top_k_sparse)
     u = st.uniforms[STREAM_DRAFT - 1, :, :G].reshape(-1)
@@ -252,6 +257,13 @@ def sample_draft_tokens(
     greedy = (st.temperature == 0)[:, None]
     K = idx.shape[-1]
     return torch.where(greedy, argmax, sampled), idx.view(S, G, K), q.view(S, G, K)
+
+
+def _check_width(st: SamplingTensors, width: int) -> None:
+    # Too few uniform columns would broadcast silently (rows sharing one draw).
+    if st.uniforms.shape[-1] < width:
+        raise ValueError(f"the sampling uniforms cover {st.uniforms.shape[-1]} positions per row, "
+                         f"this step reads {width}")
 
 
 # ------------------------------------------------------------- verification
@@ -291,6 +303,7 @@ def verify(
     if st.all_greedy:
         return VerifyResult(n_greedy, argmax[rows, n_greedy])
 
+    _check_width(st, G1)
     p = filtered_probs(target_logits.reshape(S * G1, V), st, rows_per_seq=G1).view(S, G1, V)
     if G > 0:
         p_d = p[:, :G].gather(-1, draft_tokens[:, :G, None]).squeeze(-1)

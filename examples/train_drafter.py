@@ -554,7 +554,11 @@ def checkpoint_depth(args, config) -> int:
     if args.draft_layers is not None and args.draft_layers < k:
         raise SystemExit(f"--draft-layers {args.draft_layers} is fewer than the {k} layers of the --init-from "
                          f"checkpoint (growing only adds layers)")
-    return k if args.draft_layers is None else args.draft_layers
+    n = k if args.draft_layers is None else args.draft_layers
+    if n - k > getattr(config, "num_target_layers", n - k):
+        raise SystemExit(f"growing by {n - k} layers needs as many target layers to copy; the target has "
+                         f"{config.num_target_layers}")
+    return n
 
 
 @torch.no_grad()
@@ -933,7 +937,8 @@ def parse_args(argv=None):
     a("--target-layer-ids", default="", help="comma list; default: 5 taps spaced as build_target_layer_ids(L, 5)")
     a("--block-size", type=int, default=None, help="default 16")
     a("--mask-token-id", type=int, default=None)
-    a("--init", choices=("target", "random"), default="target")
+    a("--init", choices=("target", "random"), default="target",
+      help="how new layers start (with --init-from: only the layers growing adds)")
     a("--init-from", default="", help="continue training this drafter checkpoint (its config sets the architecture; "
       "the learning-rate schedule starts afresh); architecture flags given with it must agree with it")
     a("--max-ckpt-mb", type=float, default=32.0)

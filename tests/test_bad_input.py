@@ -31,6 +31,7 @@ def ckpt(tmp_path_factory):
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(top_k=-2), "top_k must be"),
         (dict(seed="x"), "seed must be an integer"),
+        (dict(seed=2**64), "seed must fit in a signed 64-bit integer"),
         (dict(stop=[3]), "stop must be"),
     ],
 )
@@ -138,6 +139,8 @@ def test_engine_config_errors(ckpt):
         LLM(root / "t", num_kv_blocks=3, kv_block_size=4)
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         LLM(root / "t").generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be at least 1"):
+        LLM(root / "t", root / "d", num_speculative_tokens=0)
 
 
 def test_batch_with_bad_prompts_names_each_and_runs_none(ckpt):

@@ -160,3 +160,30 @@ def test_sampled_step_hashes_nothing_on_the_device():
     assert row["hash_ops_in_step"] == 0 < row["sampled_step_ops"]
     assert row["draw_ops_on_device"] > 20  # what each of the step's three draws would add
     assert row["host_uniforms_us"] > 0
+
+
+def test_draft_batch_round_trip_keeps_the_uniforms():
+    """The DraftBatch a separate drafter receives carries the step's
+    uniforms bit for bit (as int64 bit patterns), greedy or not."""
+    from specray.actors.workers import pack_draft_batch, unpack_draft_batch
+    from specray.plan import DraftBatch
+
+    S, B = 3, 5
+    for params in ([SamplingParams(temperature=0)] * S,
+                   [SamplingParams(temperature=0.7, top_p=0.9, top_k=4, seed=11), SamplingParams(temperature=0),
+                    SamplingParams(temperature=1.3)]):
+        st = SamplingTensors.build(params, [5, 6, 2**40], [3, 9, 17], B)
+        batch = DraftBatch(torch.full((S, B), 7), torch.tensor([3, 9, 17]), torch.tensor([5, 5, 2]),
+                           torch.zeros(S, 2, dtype=torch.int32), 17, st)
+        got = unpack_draft_batch(pack_draft_batch(batch)).sampling
+        assert torch.equal(got.uniforms, st.uniforms) and got.uniforms.shape == (3, S, 0 if st.all_greedy else B)
+        assert torch.equal(got.temperature, st.temperature) and torch.equal(got.top_k, st.top_k)
+        assert (got.all_greedy, got.any_filter) == (st.all_greedy, st.any_filter)
+
+
+def test_too_few_uniforms_is_an_error_not_a_broadcast():
+    st = SamplingTensors.build([SamplingParams(temperature=1.0)], [0], [0], 2)
+    with pytest.raises(ValueError, match="cover 2 positions"):
+        sample_draft_tokens(torch.randn(1, 3, 10), st, top_k_sparse=4)
+    with pytest.raises(ValueError, match="cover 2 positions"):
+        verify(torch.randn(1, 3, 10), torch.zeros(1, 2, dtype=torch.long), torch.tensor([2]), st)
