@@ -67,6 +67,7 @@ def summarize(spec_outs, ar_outs, spec_s, ar_s, block_size: int) -> dict:
         "ar_tokens_per_s": ar_tokens / ar_s,
         "speedup": (spec_tokens / spec_s) / (ar_tokens / ar_s),
         "token_identical_outputs": identical,
+        "lookup_step_fraction": sum(o.metrics.num_lookup_steps for o in spec_outs) / n_steps if n_steps else 0.0,
     }
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     # Two engines share the device: each takes a part of its memory.
     mem = dict(max_model_len=args.max_model_len or 4096, gpu_memory_utilization=0.4, cuda_graphs=args.cuda_graphs,
                max_num_seqs=max(8, args.batch_size))
-    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, **mem)
+    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
     prompts = [text for _, text in rows]
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.generate(prompts[:1], warm)
         ar.generate(prompts[:1], warm)
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
-               "cuda_graphs": args.cuda_graphs,
+               "cuda_graphs": args.cuda_graphs, "prompt_lookup_min": args.prompt_lookup_min,
                "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}
     for temp in args.temperatures:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"T={temp}: mean acceptance length {s['mean_acceptance_length']:.2f} | "
             f"spec {s['spec_tokens_per_s']:.1f} tok/s vs AR {s['ar_tokens_per_s']:.1f} tok/s = "
-            f"{s['speedup']:.2f}x | identical {s['token_identical_outputs']}/{s['prompts']}"
+            f"{s['speedup']:.2f}x | identical {s['token_identical_outputs']}/{s['prompts']} | "
+            f"lookup drafts {s['lookup_step_fraction']:.0%} of steps"
         )
         print("  per-position acceptance:", " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))
     if args.out:

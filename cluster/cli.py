@@ -17,6 +17,9 @@ def add_model_args(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--prompt-lookup-min", type=int, default=2,
+                   help="draft from the request's own earlier text when its last N+ tokens occurred before "
+                        "(shortest match; 0: drafter only)")
 
 
 def resolve_models(args) -> tuple[str, str | None]:
@@ -51,7 +54,8 @@ def cmd_generate(args) -> int:
 
     target, drafter = resolve_models(args)
     t = time.perf_counter()
-    llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              prompt_lookup_min=args.prompt_lookup_min)
     load_s = time.perf_counter() - t
     prompt = args.prompt
     if args.chat and llm.tokenizer is not None:

@@ -305,6 +305,11 @@ class EngineConfig:
     # draft_top_k tokens: exact for any q, and cheap to ship to the target.
     draft_top_k: int = 64
     num_speculative_tokens: int | None = None  # None: block_size - 1
+    # Prompt-lookup drafts (prompt_lookup.py): a request whose last
+    # prompt_lookup_min..max tokens occurred before drafts what followed
+    # them instead of the drafter's tokens. 0 turns it off.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     seed: int = 0
     # Synchronize the device around model passes so that StepStats splits a
     # step into model time and control overhead (costs a little speed).
@@ -325,6 +330,9 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.prompt_lookup_min < 0 or (self.prompt_lookup_min and self.prompt_lookup_max < self.prompt_lookup_min):
+            raise ConfigError(f"prompt lookup needs 0 (off) or 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.num_speculative_tokens is not None and int(self.num_speculative_tokens) < 1:
             # A drafter that drafts nothing would still run every step: run without one instead.
             raise ConfigError(f"num_speculative_tokens must be at least 1 (or unset), got "

@@ -35,6 +35,7 @@ from specray.detokenizer import (
 )
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.request import Request, RequestOutput
+from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors, host_to_device, verify
 from specray.scheduler import DecodeItem, PrefillItem, Scheduler
 
@@ -190,12 +191,16 @@ class EngineCore:
 
         drafts = None
         if self.drafter is not None and decode:
-            draft_batch = self._draft_batch(decode, st_cpu)
-            self._sync()
-            t = time.perf_counter()
-            drafts = self.drafter.propose(draft_batch)
-            self._sync()
-            stats.propose = time.perf_counter() - t
+            lookup = self._lookup_drafts(decode)
+            if not all(lookup):  # a step where every request has a lookup draft skips the drafter
+                draft_batch = self._draft_batch(decode, st_cpu)
+                self._sync()
+                t = time.perf_counter()
+                drafts = self.drafter.propose(draft_batch)
+                self._sync()
+                stats.propose = time.perf_counter() - t
+            if any(lookup):
+                drafts = merge_lookup_drafts(drafts, lookup, self.block_size - 1, st_cpu, self.device)
 
         batch, draft_dst, draft_src, logit_rows = self._target_batch(decode, plan.prefill)
         if drafts is not None:
@@ -222,6 +227,25 @@ class EngineCore:
     def _sync(self) -> None:
         if self.config.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _lookup_drafts(self, decode: list[DecodeItem]) -> list[list[int]]:
+        """Each request's prompt-lookup draft ([] for none; a request that
+        drafts nothing this step counts as having one)."""
+        lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        if not lo:
+            return [[] for _ in decode]
+        out = []
+        for d in decode:
+            r = d.request
+            if d.block_len <= 1:
+                out.append([r.output_token_ids[-1]])
+                continue
+            if r.lookup_index is None:
+                r.lookup_index = NgramIndex(lo, hi)
+            draft = r.lookup_index.propose(r.prompt_token_ids, r.output_token_ids, self.block_size - 1)
+            r.metrics.num_lookup_steps += bool(draft)
+            out.append(draft)
+        return out
 
     def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors) -> DraftBatch:
         B = self.block_size

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from specray.actors.kv_cache import BlockTable
+from specray.prompt_lookup import NgramIndex
 from specray.sampling import SamplingParams
 
 
@@ -31,6 +32,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_lookup_steps: int = 0  # decode steps whose drafts came from prompt lookup
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -87,6 +89,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    lookup_index: NgramIndex | None = None  # prompt-lookup drafts (prompt_lookup.py), built on first use
     # Detokenizer state (see detokenizer.py).
     text: str = ""
     sent_text_len: int = 0

@@ -38,16 +38,23 @@ def test_capital_of_france(spec):
 
 
 def test_greedy_identical_with_and_without_drafter_on_eval_set(target, spec):
+    """The default engine (drafter + prompt-lookup drafts) and the drafter
+    alone emit exactly the target's greedy tokens on every eval prompt."""
     rows = [json.loads(line) for line in EVAL.read_text().splitlines() if line.strip()]
     assert len(rows) >= 40
     prompts = [chat(spec, r["messages"]) for r in rows]
     params = SamplingParams(max_tokens=48, temperature=0)
-    with_drafter = spec.generate(prompts, params)
     without = LLM(target, None, max_model_len=2048).generate(prompts, params)
-    for r, a, b in zip(rows, with_drafter, without):
-        assert a.token_ids == b.token_ids, r["id"]
-    lengths = [x for o in with_drafter for x in o.metrics.acceptance_lengths]
-    assert max(lengths) > 2  # the drafter does get blocks accepted
+    drafter_only = LLM(target, default_drafter_dir(), max_model_len=2048, prompt_lookup_min=0)
+    lookups = []
+    for llm in (spec, drafter_only):
+        with_drafter = llm.generate(prompts, params)
+        for r, a, b in zip(rows, with_drafter, without):
+            assert a.token_ids == b.token_ids, r["id"]
+        lengths = [x for o in with_drafter for x in o.metrics.acceptance_lengths]
+        assert max(lengths) > 2  # drafts do get accepted
+        lookups.append(sum(o.metrics.num_lookup_steps for o in with_drafter))
+    assert lookups[0] > 0 and lookups[1] == 0
 
 
 def test_acceptance_lengths_equal_reference_with_trained_drafter(target, spec):
@@ -60,10 +67,11 @@ def test_acceptance_lengths_equal_reference_with_trained_drafter(target, spec):
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ref = dm.DFlashDraftModel.from_pretrained(default_drafter_dir(), dtype=torch.float32).eval()
     rows = [json.loads(line) for line in EVAL.read_text().splitlines() if line.strip()]
+    drafter_only = LLM(target, default_drafter_dir(), max_model_len=2048, prompt_lookup_min=0)
     for row in (rows[0], rows[13]):
         ids = spec.tokenizer(chat(spec, row["messages"]), add_special_tokens=False)["input_ids"]
         r = dm.dflash_generate(ref, hf, torch.tensor([ids]), 40, [2], return_stats=True)
-        out = spec.generate([ids], SamplingParams(max_tokens=40, temperature=0))[0]
+        out = drafter_only.generate([ids], SamplingParams(max_tokens=40, temperature=0))[0]
         assert out.token_ids == r.output_ids[0, len(ids):].tolist()
         assert out.metrics.acceptance_lengths == r.acceptance_lengths
         assert max(r.acceptance_lengths) > 1

@@ -1,0 +1,146 @@
+"""Prompt-lookup drafts: the n-gram index against a plain search, the merge
+with the drafter's drafts, and the engine staying lossless with them
+(greedy: the autoregressive tokens; sampled: the target's distribution)."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from factories import make_drafter, make_target
+from specray import LLM, SamplingParams
+from specray.config import EngineConfig
+from specray.llm import build_engine
+from specray.plan import DraftOutput
+from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
+from specray.sampling import SamplingTensors
+
+
+def plain_lookup(tokens, lo, hi, k):
+    """The definition: longest suffix n-gram first, its most recent earlier
+    occurrence, the k tokens after it."""
+    L = len(tokens)
+    for n in range(min(hi, L), lo - 1, -1):
+        for i in range(L - n - 1, -1, -1):
+            if tokens[i : i + n] == tokens[L - n :]:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_index_matches_a_plain_search_as_tokens_arrive():
+    rng = random.Random(0)
+    for lo, hi in [(1, 3), (2, 4), (3, 3)]:
+        for _ in range(20):
+            prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+            output, idx = [], NgramIndex(lo, hi)
+            for _ in range(40):
+                output += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]  # a step emits 1..3 tokens
+                assert idx.propose(prompt, output, 5) == plain_lookup(prompt + output, lo, hi, 5)
+
+
+def test_index_examples():
+    idx = NgramIndex(2, 4)
+    # "7 8" occurred twice: the most recent one (followed by 5) wins.
+    assert idx.propose([1, 7, 8, 9, 9, 7, 8, 5, 6], [2, 7, 8], 3) == [5, 6, 2]
+    assert NgramIndex(2, 4).propose([1, 2, 3], [4], 3) == []  # no repeated bigram
+    # The longer match ("1 2 3", followed by 9) wins over the more recent "2 3" (followed by 7).
+    assert NgramIndex(2, 4).propose([5, 1, 2, 3, 9, 0, 2, 3, 7], [1, 2, 3], 2) == [9, 0]
+
+
+def test_merge_takes_lookup_rows_and_keeps_q_exact():
+    S, G, K = 3, 4, 5
+    g = torch.Generator().manual_seed(0)
+    drafter = DraftOutput(torch.randint(0, 50, (S, G), generator=g), torch.randint(0, 50, (S, G, K), generator=g),
+                          torch.rand(S, G, K, generator=g).softmax(-1))
+    lookup = [[7, 8], [], [9, 10, 11, 12, 13]]
+    sampled = SamplingTensors.build([SamplingParams(temperature=1.0)] * S, [0, 1, 2], [0, 0, 0], G + 1)
+    out = merge_lookup_drafts(drafter, lookup, G, sampled, torch.device("cpu"))
+    assert out.tokens.tolist() == [[7, 8, 8, 8], drafter.tokens[1].tolist(), [9, 10, 11, 12]]
+    assert torch.equal(out.draft_idx[1], drafter.draft_idx[1]) and torch.equal(out.draft_q[1], drafter.draft_q[1])
+    for s in (0, 2):  # the drafted token carries all the mass, whichever index names it
+        q_of_draft = (out.draft_q[s] * (out.draft_idx[s] == out.tokens[s][:, None])).sum(-1)
+        assert torch.equal(q_of_draft, torch.ones(G))
+    greedy = SamplingTensors.build([SamplingParams(temperature=0)] * S, [0, 1, 2], [0, 0, 0], G + 1)
+    assert merge_lookup_drafts(DraftOutput(drafter.tokens, None, None), lookup, G, greedy,
+                               torch.device("cpu")).draft_idx is None
+    # Every row looked up: no drafter output is needed.
+    alone = merge_lookup_drafts(None, [[1], [2, 3], [4]], G, sampled, torch.device("cpu"))
+    assert alone.tokens.tolist() == [[1] * 4, [2, 3, 3, 3], [4] * 4] and torch.equal(alone.draft_q, torch.ones(S, G, 1))
+    with pytest.raises(AssertionError):
+        merge_lookup_drafts(None, [[1], []], G, sampled, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lookup")
+    hf = make_target(root / "t", seed=4, vocab_size=64)
+    make_drafter(root / "d", hf.config, block_size=6)
+    return root
+
+
+# Repetitive prompts, so that lookups fire from the first step.
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(2, 40)) * 2, [3, 9, 3, 9, 11], [20, 21]]
+
+
+def test_greedy_with_lookup_is_the_autoregressive_output(ckpt):
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    ar = [o.token_ids for o in LLM(ckpt / "t").generate(PROMPTS, greedy)]
+    for static in (False, True):
+        spec = LLM(ckpt / "t", ckpt / "d", cuda_graphs=static, prompt_lookup_min=1).generate(PROMPTS, greedy)
+        assert [o.token_ids for o in spec] == ar
+        assert sum(o.metrics.num_lookup_steps for o in spec) > 10
+    off = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=0).generate(PROMPTS, greedy)
+    assert [o.token_ids for o in off] == ar and all(o.metrics.num_lookup_steps == 0 for o in off)
+
+
+def test_sampled_with_lookup_keeps_the_target_distribution(tmp_path):
+    """20k seeded 3-token requests through the engine with lookups on (and
+    firing): the joint distribution of the tokens is the target's."""
+    V, N = 8, 20_000
+    hf = make_target(tmp_path / "t", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     head_dim=8, init_std=0.3, eos_token_id=None)
+    make_drafter(tmp_path / "d", hf.config, num_layers=1, block_size=4, target_layer_ids=(0,), mask_token_id=7)
+    prompt = [2, 5, 3, 2, 6]
+    cfg = EngineConfig(target=str(tmp_path / "t"), drafter=str(tmp_path / "d"), max_model_len=16, max_num_seqs=4096,
+                       max_num_batched_tokens=16384, num_kv_blocks=4096 * 2, kv_block_size=4, prompt_lookup_min=1)
+    engine = build_engine(cfg)
+    temperature = 0.9
+    for i in range(N):
+        engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=temperature, seed=i), request_id=str(i))
+    seqs, lookups = [], 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                seqs.append(o.token_ids)
+                lookups += o.metrics.num_lookup_steps
+    assert len(seqs) == N and lookups > 0.2 * N
+    with torch.no_grad():
+        grid = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        logp = torch.log_softmax(hf(grid).logits[:, -3:] / temperature, -1)
+    joint = logp[0, 0].exp()[:, None, None] * logp[::V, 1].exp()[:, :, None] * logp[:, 2].exp().view(V, V, V)
+    cells = np.zeros(V**3)
+    for a, b, c in seqs:
+        cells[(a * V + b) * V + c] += 1
+    expected = joint.reshape(-1).double().numpy()
+    assert chisquare(cells, expected / expected.sum() * N).pvalue > 1e-3
+
+
+def test_prompt_lookup_bench_reports_identical_tokens(ckpt, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "prompt_lookup.py"
+    spec = importlib.util.spec_from_file_location("prompt_lookup_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"t-{c}-0{i}", "prompt": [5, 6, 7, 8] * (i + 2)}) + "\n"
+                               for i, c in enumerate(["code", "chat", "code"])))
+    report = mod.main(["--target", str(ckpt / "t"), "--drafter", str(ckpt / "d"), "--prompts", str(prompts),
+                       "--max-tokens", "24", "--settings", "2,4", "1,3"])
+    assert report["n"] == 3 and set(report["drafter_alone"]["by_category"]) == {"code", "chat"}
+    for r in report["with_lookup"]:
+        assert r["identical_to_drafter_alone"] == 3 and r["lookup_step_fraction"] > 0
