@@ -3,7 +3,9 @@ with the drafter alone and with lookups at each ``min,max`` n-gram
 setting; mean acceptance length (overall and by category), the share of
 steps that drafted from a lookup, and whether the tokens stay those of the
 drafter alone (greedy: they must, both are the target's greedy output;
-sampled: they need not, only their distribution is the target's).
+sampled: they need not, only their distribution is the target's). At a
+temperature above 0 the lookups are forced on (``prompt_lookup_sampled``),
+which is what this measures.
 
     python bench/prompt_lookup.py --prompts data/prompts/dev.jsonl --settings 2,4 1,4 3,6 --out lookup.json
 """
@@ -21,7 +23,7 @@ from specray.cli import add_model_args, resolve_models
 
 def run(target, drafter, args, rows, lo: int, hi: int) -> tuple[dict, list]:
     llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              prompt_lookup_min=lo, prompt_lookup_max=max(hi, lo))
+              prompt_lookup_min=lo, prompt_lookup_max=max(hi, lo), prompt_lookup_sampled=True)
     t = time.perf_counter()
     params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.max_tokens)
               for i in range(len(rows))]

@@ -229,8 +229,9 @@ class EngineCore:
             torch.cuda.synchronize(self.device)
 
     def _lookup_drafts(self, decode: list[DecodeItem]) -> list[list[int]]:
-        """Each request's prompt-lookup draft ([] for none; a request that
-        drafts nothing this step counts as having one)."""
+        """Each request's prompt-lookup draft ([] for none, and for sampled
+        requests unless prompt_lookup_sampled; a request that drafts nothing
+        this step counts as having one)."""
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         if not lo:
             return [[] for _ in decode]
@@ -239,6 +240,9 @@ class EngineCore:
             r = d.request
             if d.block_len <= 1:
                 out.append([r.output_token_ids[-1]])
+                continue
+            if not (r.params.greedy or self.config.prompt_lookup_sampled):
+                out.append([])
                 continue
             if r.lookup_index is None:
                 r.lookup_index = NgramIndex(lo, hi)

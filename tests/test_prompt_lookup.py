@@ -104,7 +104,8 @@ def test_sampled_with_lookup_keeps_the_target_distribution(tmp_path):
     make_drafter(tmp_path / "d", hf.config, num_layers=1, block_size=4, target_layer_ids=(0,), mask_token_id=7)
     prompt = [2, 5, 3, 2, 6]
     cfg = EngineConfig(target=str(tmp_path / "t"), drafter=str(tmp_path / "d"), max_model_len=16, max_num_seqs=4096,
-                       max_num_batched_tokens=16384, num_kv_blocks=4096 * 2, kv_block_size=4, prompt_lookup_min=1)
+                       max_num_batched_tokens=16384, num_kv_blocks=4096 * 2, kv_block_size=4, prompt_lookup_min=1,
+                       prompt_lookup_sampled=True)
     engine = build_engine(cfg)
     temperature = 0.9
     for i in range(N):
@@ -144,3 +145,11 @@ def test_prompt_lookup_bench_reports_identical_tokens(ckpt, tmp_path):
     assert report["n"] == 3 and set(report["drafter_alone"]["by_category"]) == {"code", "chat"}
     for r in report["with_lookup"]:
         assert r["identical_to_drafter_alone"] == 3 and r["lookup_step_fraction"] > 0
+
+
+def test_sampled_requests_skip_lookups_unless_asked(ckpt):
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    plain = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=1).generate(PROMPTS, sampled)
+    assert all(o.metrics.num_lookup_steps == 0 for o in plain)
+    asked = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=1, prompt_lookup_sampled=True).generate(PROMPTS, sampled)
+    assert sum(o.metrics.num_lookup_steps for o in asked) > 0

@@ -53,6 +53,9 @@ class ServeMetrics:
             "specray_spec_decode_num_draft_tokens", "Drafted tokens verified by the target.", tag_keys=("model",))
         self.num_accepted_tokens = m.Counter(
             "specray_spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.", tag_keys=("model",))
+        self.num_lookup_drafts = m.Counter(
+            "specray_spec_decode_num_lookup_drafts",
+            "Decode steps whose drafts came from prompt lookup instead of the drafter.", tag_keys=("model",))
         self.accepted_per_pos = m.Counter(
             "specray_spec_decode_num_accepted_tokens_per_pos",
             "Drafted tokens accepted at each draft position (0 = first draft token).",
@@ -62,7 +65,7 @@ class ServeMetrics:
         self.prompt_tokens = m.Counter(
             "specray_prompt_tokens", "Prompt tokens of admitted requests.", tag_keys=("model",))
         for metric in (self.ttft, self.tpot, self.in_flight, self.waiting, self.running, self.num_drafts,
-                       self.num_draft_tokens, self.num_accepted_tokens, self.generation_tokens,
+                       self.num_draft_tokens, self.num_accepted_tokens, self.num_lookup_drafts, self.generation_tokens,
                        self.prompt_tokens):
             metric.set_default_tags(tags)
         self.in_flight.set(0)
@@ -91,6 +94,7 @@ class RequestTracker:
         self.steps = 0
         self.drafts = 0
         self.accepted = 0
+        self.lookups = 0
         self.per_pos: list[int] = []
         self.prompt_counted = False
 
@@ -118,6 +122,9 @@ class RequestTracker:
                 before = self.per_pos[pos] if pos < len(self.per_pos) else 0
                 if count > before:
                     m.accepted_per_pos.inc(count - before, {"model": m.model, "position": str(pos)})
+            if met.num_lookup_steps > self.lookups:
+                m.num_lookup_drafts.inc(met.num_lookup_steps - self.lookups)
+                self.lookups = met.num_lookup_steps
             self.steps, self.drafts, self.accepted = steps, met.num_draft_tokens, met.num_accepted_tokens
             self.per_pos = list(met.accepted_per_position)
         if out.finished and self.first is not None and self.tokens > 1:
