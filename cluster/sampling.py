@@ -164,24 +164,26 @@ def host_uniforms(seeds, starts, width: int) -> torch.Tensor:
     :func:`hash_uniform`, computed with numpy on the host."""
     keys = seed_keys(seeds)[:, :, None]  # [3, S, 1]
     pos = np.asarray(starts, dtype=np.int64).reshape(-1, 1) + 1 + np.arange(width, dtype=np.int64)[None]  # [S, W]
-    x = _mix32(keys ^ (pos & _M32))
-    x = _mix32(x ^ ((pos >> 32) & _M32) ^ 0x5BD1E995)
-    return torch.from_numpy((x.astype(np.float64) + 0.5) / 4294967296.0)
+    return torch.from_numpy((_position_half(keys, pos).astype(np.float64) + 0.5) / 4294967296.0)
 
 
+# The two halves of the hash are operators only: the same code hashes numpy
+# arrays (host_uniforms) and tensors (hash_uniform).
 def _seed_half(seeds, stream):
-    """Operators only: the same code hashes numpy arrays and tensors."""
     x = _mix32((seeds & _M32) ^ ((stream * 0x9E3779B9) & _M32))
     return _mix32(x ^ ((seeds >> 32) & _M32))
+
+
+def _position_half(keys, positions):
+    x = _mix32(keys ^ (positions & _M32))
+    return _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """A uniform in the open interval (0, 1) (float64) for every (seed,
     position) pair, broadcast together, in ``stream``: the definition, in
     torch (the reference :func:`host_uniforms` is tested against)."""
-    positions = positions.to(torch.int64)
-    x = _mix32(_seed_half(seeds.to(torch.int64), stream) ^ (positions & _M32))
-    x = _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
+    x = _position_half(_seed_half(seeds.to(torch.int64), stream), positions.to(torch.int64))
     return (x.double() + 0.5) / 4294967296.0
 
 
