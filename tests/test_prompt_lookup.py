@@ -4,15 +4,12 @@ with the drafter's drafts, and the engine staying lossless with them
 
 import random
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from factories import make_drafter, make_target
+from joint_sampling import chi2_p, sampled_triples
 from specray import LLM, SamplingParams
-from specray.config import EngineConfig
-from specray.llm import build_engine
 from specray.plan import DraftOutput
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
 from specray.sampling import SamplingTensors
@@ -98,34 +95,11 @@ def test_greedy_with_lookup_is_the_autoregressive_output(ckpt):
 def test_sampled_with_lookup_keeps_the_target_distribution(tmp_path):
     """20k seeded 3-token requests through the engine with lookups on (and
     firing): the joint distribution of the tokens is the target's."""
-    V, N = 8, 20_000
-    hf = make_target(tmp_path / "t", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     head_dim=8, init_std=0.3, eos_token_id=None)
-    make_drafter(tmp_path / "d", hf.config, num_layers=1, block_size=4, target_layer_ids=(0,), mask_token_id=7)
-    prompt = [2, 5, 3, 2, 6]
-    cfg = EngineConfig(target=str(tmp_path / "t"), drafter=str(tmp_path / "d"), max_model_len=16, max_num_seqs=4096,
-                       max_num_batched_tokens=16384, num_kv_blocks=4096 * 2, kv_block_size=4, prompt_lookup_min=1,
-                       prompt_lookup_sampled=True)
-    engine = build_engine(cfg)
-    temperature = 0.9
-    for i in range(N):
-        engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=temperature, seed=i), request_id=str(i))
-    seqs, lookups = [], 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                seqs.append(o.token_ids)
-                lookups += o.metrics.num_lookup_steps
-    assert len(seqs) == N and lookups > 0.2 * N
-    with torch.no_grad():
-        grid = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        logp = torch.log_softmax(hf(grid).logits[:, -3:] / temperature, -1)
-    joint = logp[0, 0].exp()[:, None, None] * logp[::V, 1].exp()[:, :, None] * logp[:, 2].exp().view(V, V, V)
-    cells = np.zeros(V**3)
-    for a, b, c in seqs:
-        cells[(a * V + b) * V + c] += 1
-    expected = joint.reshape(-1).double().numpy()
-    assert chisquare(cells, expected / expected.sum() * N).pvalue > 1e-3
+    N = 20_000
+    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3, 2, 6], N, prompt_lookup_min=1,
+                                         prompt_lookup_sampled=True)
+    assert len(outs) == N and sum(o.metrics.num_lookup_steps for o in outs) > 0.2 * N
+    assert chi2_p(cells, joint) > 1e-3
 
 
 def test_prompt_lookup_bench_reports_identical_tokens(ckpt, tmp_path):

@@ -4,11 +4,8 @@ target's (filtered) distribution, whatever the drafter proposes."""
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from factories import make_drafter, make_target
-from specray.config import EngineConfig
-from specray.llm import build_engine
+from joint_sampling import chi2_p, sampled_triples
 from specray.sampling import (
     STREAM_DRAFT,
     STREAM_TOKEN,
@@ -22,14 +19,6 @@ from specray.sampling import (
 )
 
 N = 20_000
-
-
-def chi2_p(counts, probs):
-    probs = np.asarray(probs, dtype=np.float64)
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "drew a token of probability 0"
-    expected = probs[keep] / probs[keep].sum() * counts.sum()
-    return chisquare(counts[keep], expected).pvalue
 
 
 def test_hash_uniform_is_uniform_and_keyed():
@@ -93,37 +82,10 @@ def test_engine_emits_the_target_joint_distribution(tmp_path):
     """End to end: 20k seeded requests of 3 tokens each through the
     speculative engine; the empirical joint distribution of the three tokens
     matches the target's softmax chain (chi-square over all 512 cells)."""
-    V = 8
-    hf = make_target(tmp_path / "t", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     head_dim=8, init_std=0.3, eos_token_id=None)
-    make_drafter(tmp_path / "d", hf.config, num_layers=1, block_size=4, target_layer_ids=(0,), mask_token_id=7)
-    prompt = [2, 5, 3]
-    cfg = EngineConfig(target=str(tmp_path / "t"), drafter=str(tmp_path / "d"), max_model_len=16,
-                       max_num_seqs=4096, max_num_batched_tokens=16384, num_kv_blocks=4096 * 2, kv_block_size=4)
-    engine = build_engine(cfg)
-    temperature = 0.9
-    for i in range(N):
-        engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=temperature, seed=i), request_id=str(i))
-    seqs, accepted = [], 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                seqs.append(o.token_ids)
-                accepted += o.metrics.num_accepted_tokens
-    assert len(seqs) == N and all(len(s) == 3 for s in seqs)
-    assert accepted > 0.05 * N  # drafts were accepted, not only resampled
-
-    with torch.no_grad():
-        grid = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        logp = torch.log_softmax(hf(grid).logits[:, -3:] / temperature, -1)  # rows for t1, t2, t3
-    p1 = logp[0, 0].exp()
-    p2 = logp[::V, 1].exp()  # [a] -> dist of t2
-    p3 = logp[:, 2].exp().view(V, V, V)  # [a, b] -> dist of t3
-    joint = p1[:, None, None] * p2[:, :, None] * p3
-    cells = np.zeros(V**3)
-    for a, b, c in seqs:
-        cells[(a * V + b) * V + c] += 1
-    assert chi2_p(cells, joint.reshape(-1).numpy()) > 1e-3
+    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], N)
+    assert len(outs) == N and all(len(o.token_ids) == 3 for o in outs)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.05 * N  # drafts were accepted, not only resampled
+    assert chi2_p(cells, joint) > 1e-3
 
 
 def test_unfiltered_rows_skip_the_sort_and_keep_the_softmax():
