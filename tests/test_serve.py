@@ -415,8 +415,11 @@ def test_16_concurrent_streams_match_in_process_llm(server):
 def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     server.wait_idle()
     before = server.stats()
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    # The requests to be cut off sample: greedy ones may take prompt-lookup
+    # drafts, which on this random model's repetitive output can finish in a
+    # few steps, before the disconnect arrives.
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "temperature": 0.8, "seed": 1,
+            "stream": True, "ignore_eos": True}
 
     async def survivor():
         client = server.client(async_=True)
@@ -454,7 +457,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
         # As long as the model allows, cancelled at the first message: on a
         # loaded machine the request must not get to finish first.
         call = stub.Generate(pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(
-            max_tokens=240, temperature=0, ignore_eos=True)), metadata=[("authorization", f"Bearer {API_KEY}")])
+            max_tokens=240, temperature=0.8, seed=1, ignore_eos=True)),
+            metadata=[("authorization", f"Bearer {API_KEY}")])
         next(call)
         call.cancel()
     after2 = server.wait_idle()
