@@ -22,7 +22,9 @@ starts Ray) so that the proxy actors inherit it::
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \\
     ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1
 
-``specray serve`` sets both when it starts Ray itself. This patches a private
+The same callback makes a client's cancel reach the replica reliably
+(:mod:`specray.serve.proxy_cancel`). ``specray serve`` sets both when it
+starts Ray itself. This patches a private
 Ray function: on a Ray without it the callback logs a warning and changes
 nothing.
 """
@@ -39,6 +41,12 @@ def grpc_host() -> str:
 
 
 def proxy_callback() -> list:
+    """Runs in each Serve proxy actor before its servers start: binds the
+    gRPC server to ``SPECRAY_GRPC_HOST`` and installs
+    :mod:`specray.serve.proxy_cancel`."""
+    from specray.serve import proxy_cancel
+
+    proxy_cancel.install()
     host = grpc_host()
     try:
         from ray.serve._private import default_impl
