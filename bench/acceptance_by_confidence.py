@@ -9,11 +9,10 @@ specray, then one target forward over each prompt + answer.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from specray import LLM, SamplingParams
-from specray.bench import load_prompts
+from specray.bench import load_prompts, save_report
 from specray.detokenizer import load_tokenizer
 
 EDGES = [0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0 + 1e-9]
@@ -74,10 +73,7 @@ def main(argv=None) -> dict:
         print(f"target p in {row['target_p']:12s} {row['first_drafts']:5d} first drafts, {row['accepted']:.3f} accepted")
     print(f"all: {report['first_drafts']} first drafts, {report['first_draft_accepted']:.3f} accepted, "
           f"mean target p {report['mean_target_p']}, mean acceptance length {report['mean_acceptance_length']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return save_report(report, args.out)
 
 
 if __name__ == "__main__":

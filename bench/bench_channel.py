@@ -17,7 +17,6 @@ device sync.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -26,6 +25,8 @@ import tempfile
 import time
 
 import torch
+
+from specray.bench import save_report
 
 
 def step_messages(S: int, B: int, width: int, device) -> tuple[list, object]:
@@ -142,10 +143,7 @@ def main(argv=None) -> dict:
     results = run_pair(_end, args, rendezvous)
     report = {"channel": args.channel, "block_size": args.block_size, "hidden": args.hidden, "taps": args.taps,
               "iters": args.iters, "by_batch": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return save_report(report, args.out)
 
 
 if __name__ == "__main__":

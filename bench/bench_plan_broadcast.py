@@ -8,7 +8,6 @@ from TP rank 0 to a follower: broadcast + receive + unpack, no model.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -17,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 from bench_channel import run_pair
+
+from specray.bench import save_report
 
 
 def plan(S: int, B: int, device):
@@ -71,10 +72,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     rendezvous = "file://" + os.path.join(tempfile.mkdtemp(), "rdzv")
     report = {"device": args.device, "block_size": args.block_size, "by_batch": run_pair(_end, args, rendezvous)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ which is what this measures.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from specray import LLM, SamplingParams
-from specray.bench import load_prompts
+from specray.bench import load_prompts, save_report
 from specray.cli import add_model_args, resolve_models
 
 
@@ -48,7 +47,7 @@ def run(target, drafter, args, rows, lo: int, hi: int) -> tuple[dict, list]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, prompt_lookup=False)  # --settings chooses
     p.add_argument("--prompts", default="data/prompts/eval.jsonl")
     p.add_argument("--limit", type=int)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -75,10 +74,7 @@ def main(argv=None) -> dict:
               f"({r['mean_acceptance_length'] / base['mean_acceptance_length']:.3f}x), lookup drafts on "
               f"{r['lookup_step_fraction']:.0%} of steps, {r['by_category']}, "
               f"identical {r['identical_to_drafter_alone']}/{len(rows)}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ kernel launch, and at batch 1 launches are what these small tensors cost.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specray.bench import save_report
 from specray.sampling import (
     STREAM_DRAFT,
     SamplingParams,
@@ -84,10 +84,7 @@ def main(argv=None) -> dict:
         print(f"batch {S}: sampled draft + verify {row['sampled_step_ops']} ops ({row['hash_ops_in_step']} of them "
               f"hashing); one draw hashed on the device would be {row['draw_ops_on_device']} ops, a step has 3; "
               f"the host hashes a step's [3, {S}, {args.block_size}] uniforms in {row['host_uniforms_us']} us")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return save_report(report, args.out)
 
 
 if __name__ == "__main__":

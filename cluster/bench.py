@@ -33,6 +33,13 @@ def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[tuple[s
     return rows[:limit] if limit else rows
 
 
+def save_report(report: dict, path: str | None) -> dict:
+    """Write a benchmark's report as JSON when a path is given; returns it."""
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
+    return report
+
+
 def run_engine(llm, prompts: list[str], params: list, batch_size: int) -> tuple[list, float]:
     """Generate in groups of ``batch_size`` (1 = one request at a time);
     returns outputs and wall seconds."""
@@ -126,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             f"lookup drafts {s['lookup_step_fraction']:.0%} of steps"
         )
         print("  per-position acceptance:", " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    save_report(results, args.out)
     return 0
 
 

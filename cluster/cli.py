@@ -8,18 +8,20 @@ import sys
 import time
 
 
-def add_model_args(p) -> None:
+def add_model_args(p, prompt_lookup: bool = True) -> None:
     """The model flags every command shares (a parser or an argument group);
-    ``resolve_models`` turns them into checkpoint directories."""
+    ``resolve_models`` turns them into checkpoint directories. A command that
+    sets prompt lookup itself leaves out its flag (``prompt_lookup=False``)."""
     p.add_argument("--target", help="target checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter for the default target)")
     p.add_argument("--no-drafter", action="store_true", help="decode autoregressively (the baseline)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--prompt-lookup-min", type=int, default=2,
-                   help="draft from the request's own earlier text when its last N+ tokens occurred before "
-                        "(shortest match; 0: drafter only)")
+    if prompt_lookup:
+        p.add_argument("--prompt-lookup-min", type=int, default=2,
+                       help="draft from the request's own earlier text when its last N+ tokens occurred before "
+                            "(shortest match; 0: drafter only)")
 
 
 def resolve_models(args) -> tuple[str, str | None]:

@@ -219,6 +219,17 @@ def test_validate_record():
     assert id_key(1) != id_key("1")
 
 
+def test_engine_flags_reach_the_engine_config():
+    from specray.batch import _engine_kwargs, build_parser
+
+    base = ["--input", "in.jsonl", "--output", "out.jsonl", "--target", "t", "--drafter", "d"]
+    args = build_parser().parse_args(base)
+    assert _engine_kwargs(args, "t", "d")["prompt_lookup_min"] == 2
+    args = build_parser().parse_args([*base, "--prompt-lookup-min", "0", "--engine-arg", "max_num_seqs=4"])
+    kw = _engine_kwargs(args, "t", "d")
+    assert kw["prompt_lookup_min"] == 0 and kw["max_num_seqs"] == 4
+
+
 def test_jsonl_rows_are_single_lines():
     line = _dump_line({"id": "a", "text": "x\u2028y\nz\u00e9"})
     assert line.count(b"\n") == 1 and len(line.decode().splitlines()) == 1
