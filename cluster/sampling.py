@@ -21,6 +21,7 @@ draft row are cheap to ship from a drafter on another GPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,7 @@ STREAM_ACCEPT = 2  # accept / reject a draft token
 STREAM_TOKEN = 3  # target samples an emitted token (bonus, residual, AR)
 
 _M32 = 0xFFFFFFFF
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily
 
 
 @dataclass
@@ -52,16 +54,23 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if self.temperature < GREEDY_BELOW:
+            # Logits divided by so small a temperature overflow float32; the
+            # distribution is the argmax's anyway (vLLM's rule too).
+            self.temperature = 0.0
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (or -1 for none), got {self.top_k!r}")
+        # Any k beyond a vocabulary keeps it whole; an int64 tensor holds this one.
+        self.top_k = min(self.top_k, 2**31 - 1)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
@@ -224,7 +233,9 @@ def _top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     sorted_scores = sorted_scores.masked_fill(ranks >= k[:, None], float("-inf"))
     sorted_probs = sorted_scores.softmax(-1)
-    keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]
+    # The most likely token always stays: a top_p that rounds to 0 in
+    # float32 would otherwise keep nothing.
+    keep = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]) | (ranks == 0)
     sorted_probs = sorted_probs * keep
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)

@@ -33,11 +33,34 @@ def ckpt(tmp_path_factory):
         (dict(seed="x"), "seed must be an integer"),
         (dict(seed=2**64), "seed must fit in a signed 64-bit integer"),
         (dict(stop=[3]), "stop must be"),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_extreme_but_valid_sampling_values_decode_sensibly(ckpt):
+    """Values that pass validation but broke a step: a top_k beyond int64
+    (the step's tensor could not hold it, and the failed step ended every
+    request in flight), a temperature so small that logits / T overflow
+    float32, a top_p that rounds to 0 in float32 (nothing kept: the last
+    vocabulary token every time). All must decode as their limits do."""
+    root, _ = ckpt
+    assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-5).greedy
+    llm = LLM(str(root / "t"), str(root / "d"), num_kv_blocks=64)
+    prompt = [5, 9, 13, 7]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    cases = [dict(temperature=1e-39), dict(temperature=1.0, top_p=1e-46, seed=3),
+             dict(temperature=0.7, top_k=2**63, seed=4), dict(temperature=0.7, top_k=10**30, top_p=1e-300, seed=5)]
+    outs = llm.generate([prompt] * len(cases), [SamplingParams(max_tokens=12, ignore_eos=True, **c) for c in cases])
+    for c, o in zip(cases, outs):
+        assert o.finish_reason == "length", c
+        if c.get("top_p", 1) < 1e-40 or c["temperature"] < 1e-5:
+            assert o.token_ids == greedy, c  # only the argmax survives
+    assert len(set(outs[2].token_ids)) > 1  # top_k 2**63 = no top-k: still sampling
 
 
 def test_engine_keeps_serving_after_bad_requests(ckpt):
