@@ -20,6 +20,18 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def max_prompt_chars(tokenizer, max_tokens: int) -> float:
+    """A length in characters beyond which a text surely takes more than
+    ``max_tokens`` tokens, so that an absurdly long prompt is refused
+    without tokenizing it. No token of a byte-level BPE (the targets
+    specray serves) or SentencePiece vocabulary spells more characters than
+    its vocabulary entry has; a margin of 4 covers normalisers that compose
+    characters (NFC joins at most 3 into 1)."""
+    if tokenizer is None:
+        return float("inf")
+    return 4 * max(map(len, tokenizer.get_vocab())) * max_tokens
+
+
 def detokenize_step(tokenizer, req: Request) -> str:
     """Text added by the request's newest token(s). Decodes a short window
     twice (before / after) so that multi-token characters and leading spaces

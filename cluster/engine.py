@@ -17,6 +17,7 @@ Ray actor group in the distributed backend.
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 import time
@@ -31,6 +32,7 @@ from specray.detokenizer import (
     detokenize_step,
     find_stop_string,
     init_detokenizer,
+    max_prompt_chars,
     stop_holdback,
 )
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
@@ -94,9 +96,15 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
-        # Fast tokenizers are not safe to share between threads (requests are
-        # tokenized by callers while the step thread detokenizes).
+        # Fast tokenizers are not safe to share between threads. Callers
+        # tokenize prompts with an instance of their own, the step thread
+        # detokenizes with ``tokenizer``: under one lock, a long prompt's
+        # tokenization held every stream's detokenization (the GIL is
+        # released while it runs).
         self.tokenizer_lock = threading.Lock()
+        self._encoder = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._encoder_lock = threading.Lock()
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len - 1)
         self.last_step = StepStats()
 
     # ----------------------------------------------------------- admission
@@ -145,8 +153,13 @@ class EngineCore:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("the target checkpoint ships no tokenizer: pass token ids as the prompt")
-            with self.tokenizer_lock:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if len(prompt) > self.max_prompt_chars:
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters, more than {self.max_model_len - 1} tokens can spell "
+                    f"(max_model_len {self.max_model_len}, minus one token to generate)"
+                )
+            with self._encoder_lock:
+                ids = self._encoder.encode(prompt, add_special_tokens=True)
             text = prompt
         else:
             try:

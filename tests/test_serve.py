@@ -45,6 +45,7 @@ MODEL = "tiny-qwen3"
 MAX_NUM_SEQS = 8
 MAX_QUEUED = 8
 LIMIT = MAX_NUM_SEQS + MAX_QUEUED  # generation requests a replica admits at once
+BODY_LIMIT, BODY_TIMEOUT = 1 << 20, 3.0
 PROMPTS = [
     "The capital of France is", "Hello world, this is", "Speculative decoding drafts", "a test of the",
     "Paris is", "The tokenizer", "blocks of tokens and", "verifies them at once.",
@@ -143,7 +144,8 @@ def server(tmp_path_factory):
     app = cfg["applications"][0]
     app["args"].update(target=str(root / MODEL), drafter=str(root / "drafter"), device="cpu",
                        max_model_len=256, num_kv_blocks=160, kv_block_size=8, max_num_seqs=MAX_NUM_SEQS,
-                       max_queued_requests=MAX_QUEUED, api_key=API_KEY)
+                       max_queued_requests=MAX_QUEUED, api_key=API_KEY, max_request_bytes=BODY_LIMIT,
+                       request_body_timeout_s=BODY_TIMEOUT)
     (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     proc = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", str(root / "serve.yaml"),
@@ -322,6 +324,72 @@ def test_invalid_parameters(server):
     status, _, body = server.request("GET", "/v1/nothing")
     assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
     assert server.wait_idle()["in_flight"] == 0  # rejected requests hold no slot
+
+
+def test_hostile_bodies_get_clear_errors(server):
+    """Bodies that once gave a 500, a hang or a stall (found by probing the
+    live API): each gets its 4xx, and the server keeps serving."""
+    post = lambda body: server.request("POST", "/v1/completions", body)  # noqa: E731
+    status, _, body = post(b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}")  # RecursionError in json
+    assert status == 400 and body["error"]["code"] == "invalid_json", body
+    for raw in (b'{"prompt": "hi \\ud800", "max_tokens": 2}', b'{"prompt": "hi", "model": "\\udc00"}'):
+        status, _, body = post(raw)  # a lone surrogate: no UTF-8 text holds it
+        assert status == 400 and body["error"]["code"] == "invalid_unicode", (raw, body)
+    status, _, body = server.request("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", '
+                                     b'"content": "\\ud800"}]}')
+    assert status == 400 and body["error"]["code"] == "invalid_unicode", body
+    status, _, body = post({"prompt": "x", "max_tokens": 2, "pad": "y" * BODY_LIMIT})
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    # A prompt no tokenization could fit is refused before tokenizing (it
+    # took the engine's tokenizer, and every stream, 13 s for 10 MB).
+    t = time.monotonic()
+    status, _, body = post({"prompt": "a " * 300_000, "max_tokens": 2})
+    assert status == 400 and "characters" in body["error"]["message"] and time.monotonic() - t < 5, body
+    status, _, body = server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "a " * 300_000}], "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+
+    # A client that never finishes its body is answered 408 once the timeout
+    # passes, and the slot it held is free again.
+    with socket.create_connection(("127.0.0.1", server.http_port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"pro")
+        s.settimeout(BODY_TIMEOUT + 30)
+        t = time.monotonic()
+        head = s.recv(4096)
+    assert b" 408 " in head.split(b"\r\n")[0] and BODY_TIMEOUT - 0.5 < time.monotonic() - t, head[:200]
+    assert server.wait_idle()["in_flight"] == 0
+
+
+def test_values_that_once_failed_a_step_or_a_client(server):
+    client = server.client()
+    # top_k beyond int64 failed the engine step, and with it every request in flight
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0.8, seed=1,
+                                    extra_body={"top_k": 2**63})
+    assert out.choices[0].finish_reason == "length"
+    # the official client sends an earlier answer back as it came (refusal: null, ...)
+    msgs = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    msgs.append(first.choices[0].message.model_dump())
+    msgs.append({"role": "user", "content": "and then?", "tool_calls": [], "refusal": None})
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                           store=False, metadata={"k": "v"})
+    assert again.choices[0].finish_reason in ("stop", "length")
+    # gRPC: the request id names the client's stream; two clients choosing
+    # the same one at once both get served
+    channel, stub = _grpc_stub(server)
+    with channel:
+        md = [("authorization", f"Bearer {API_KEY}")]
+        make = lambda: stub.Generate(pb.GenerateRequest(prompt="Hello", request_id="dup", params=pb.SamplingParams(  # noqa: E731
+            max_tokens=24, temperature=0, ignore_eos=True)), metadata=md)
+        a, b = make(), make()
+        got_a, got_b = list(a), list(b)
+    assert got_a[-1].finished and got_b[-1].finished and {m.request_id for m in got_a + got_b} == {"dup"}
+    assert [t for m in got_a for t in m.token_ids] == [t for m in got_b for t in m.token_ids]
+    with pytest.raises(openai.BadRequestError, match="tool_calls"):  # a non-empty one is a request
+        client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]}])
 
 
 def _grpc_stub(server):

@@ -28,9 +28,9 @@ inside a 200 stream.
 import asyncio
 import hmac
 import inspect
-import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Literal
 
@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specray.serve import protocol as P
 from specray.serve.lease import EngineStream, Lease, detached, shielded
@@ -74,6 +75,8 @@ class ServeArgs(BaseModel):
     model_name: str | None = None  # served id; default: the target directory's name
     max_queued_requests: int = Field(64, ge=0)  # admitted beyond max_num_seqs
     retry_after_s: int = Field(1, ge=0)
+    max_request_bytes: int = Field(32 << 20, ge=1024)  # larger bodies get a 413
+    request_body_timeout_s: float = Field(30.0, gt=0)  # a body still arriving after this gets a 408
     api_key: str | None = None  # default: env SPECRAY_API_KEY
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0)
@@ -172,7 +175,7 @@ class SpecRayServer:
     def __init__(self, settings: dict):
         from specray.async_engine import AsyncEngine
         from specray.config import TargetSpec
-        from specray.detokenizer import load_tokenizer
+        from specray.detokenizer import load_tokenizer, max_prompt_chars
         from specray.llm import resolve_max_model_len
         from specray.serve.loopback import bind_replica_server_to_node_ip
         from specray.serve.metrics import ServeMetrics
@@ -186,6 +189,8 @@ class SpecRayServer:
         config = s.engine_config()
         self.max_model_len = resolve_max_model_len(config, TargetSpec.from_dir(config.target))
         self.tokenizer = load_tokenizer(config.target)
+        self._tokenizer_lock = threading.Lock()
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len - 1)
         self.engine = AsyncEngine.from_config(config, backend=s.backend, tensor_parallel_size=s.tensor_parallel_size,
                                               drafter_placement=s.drafter_placement)
         self.limit = s.max_in_flight
@@ -281,21 +286,33 @@ class SpecRayServer:
                              "invalid_request_error", "model", "model_not_found")
 
     # ------------------------------------------------------------- prompts
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The messages through the chat template, tokenized in a worker
+        thread: on the replica's event loop a long prompt would hold every
+        other stream of the replica."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise P.bad_request("This model has no chat template; use /v1/completions.", "messages")
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja TemplateError and friends
-            raise P.bad_request(f"The chat template rejected the messages: {e}", "messages") from None
-        # The template writes its own special tokens (BOS included).
-        ids = tok.encode(text, add_special_tokens=False)
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:
+            raise P.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the messages have "
+                f"{chars} characters, more than that many tokens can spell.", "messages", "context_length_exceeded")
+        ids = await asyncio.to_thread(self._render_chat, messages)
         if len(ids) >= self.max_model_len:
             raise P.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens; the messages take "
                 f"{len(ids)} tokens, leaving none to generate.", "messages", "context_length_exceeded")
         return ids
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        with self._tokenizer_lock:  # a fast tokenizer is not safe to share between threads
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja TemplateError and friends
+                raise P.bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+            # The template writes its own special tokens (BOS included).
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
@@ -348,16 +365,11 @@ class SpecRayServer:
         lease = None
         try:
             self._check_http_key(request)
-            try:
-                body = json.loads(await request.body() or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise P.bad_request(
-                    f"We could not parse the JSON body of your request ({e}). The body must be valid JSON.",
-                    None, "invalid_json") from None
+            body = P.parse_json(await self._read_body(request))
             if kind == "chat":
                 req = P.parse(P.ChatCompletionRequest, body)
                 self._check_model(req.model)
-                prompt = self._chat_prompt(req.chat_messages())
+                prompt = await self._chat_prompt(req.chat_messages())
                 params = req.sampling_params(req.max_new_tokens(self.max_model_len - len(prompt)))
                 rid = P.new_id("chatcmpl")
             else:
@@ -414,6 +426,35 @@ class SpecRayServer:
         finally:
             await shielded(lease.release())
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, within the size and time limits: a client that sends
+        its body slowly (or never) holds one of the replica's request slots,
+        which /health shares, until the timeout frees it."""
+        limit, timeout = self.settings.max_request_bytes, self.settings.request_body_timeout_s
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise P.APIError(413, f"The request body has {declared} bytes; this server takes at most {limit}.",
+                             "invalid_request_error", None, "request_too_large")
+
+        async def read() -> bytes:
+            parts, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise P.APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error",
+                                     None, "request_too_large")
+                parts.append(chunk)
+            return b"".join(parts)
+
+        try:
+            return await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            raise P.APIError(408, f"The request body did not arrive within {timeout:g} s.",
+                             "invalid_request_error", None, "request_timeout") from None
+        except ClientDisconnect:
+            raise P.APIError(499, "The client closed the connection before sending its body.",
+                             "invalid_request_error", None, "client_closed_request") from None
+
     async def _sse(self, writer: P.ChunkWriter, first, tracker, lease: Lease):
         for chunk in writer.start():
             yield chunk
@@ -451,7 +492,7 @@ class SpecRayServer:
                     supplied = value.strip() if scheme.lower() == "bearer" else ""
         self._check_key(supplied)
 
-    def _grpc_inputs(self, request):
+    async def _grpc_inputs(self, request):
         from specray.sampling import SamplingParams
 
         self._check_model(request.model or None)
@@ -469,7 +510,7 @@ class SpecRayServer:
                 raise P.from_validation_error(e) from None
             if not msgs:
                 raise P.bad_request("messages is empty", "messages")
-            prompt = self._chat_prompt([{"role": "system" if m.role == "developer" else m.role,
+            prompt = await self._chat_prompt([{"role": "system" if m.role == "developer" else m.role,
                                          "content": m.content} for m in msgs])
         p = request.params
         try:
@@ -493,15 +534,18 @@ class SpecRayServer:
         endpoint = "grpc_generate"
         try:
             self._grpc_key(grpc_context)
-            prompt, params = self._grpc_inputs(request)
+            prompt, params = await self._grpc_inputs(request)
             lease = self._admit(endpoint)
         except P.APIError as e:
             self.metrics.request_done(endpoint, _GRPC_CODES.get(e.status, "UNKNOWN"))
             self._grpc_fail(grpc_context, e, endpoint)
-        rid = request.request_id or P.new_id("grpc")
+        # The client's id names its stream; the engine's is always fresh, so
+        # clients choosing the same id never collide.
+        engine_rid = P.new_id("grpc")
+        rid = request.request_id or engine_rid
         tracker = RequestTracker(self.metrics, start)
         try:
-            lease.start(prompt, params, rid)
+            lease.start(prompt, params, engine_rid)
             try:
                 while True:
                     out = await lease.next()

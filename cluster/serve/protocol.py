@@ -11,6 +11,7 @@ specray does not implement get a 400 that names them (``n`` > 1,
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -80,6 +81,29 @@ def sampling_error(e: ValueError) -> APIError:
 
 
 # ---------------------------------------------------------------- requests
+# A \uD800-\uDFFF escape: half of a surrogate pair, or a lone one, which no
+# UTF-8 text (the tokenizer's input, the response) can hold.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 saying why not."""
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, RecursionError) as e:  # not JSON / not Unicode (ValueErrors); nested too deep
+        raise bad_request(f"We could not parse the JSON body of your request ({type(e).__name__}: {e}). "
+                          "The body must be valid JSON.", None, "invalid_json") from None
+    # Only escapes can smuggle in a lone surrogate (raw UTF-8 cannot encode
+    # one); a body that is not UTF-8 (UTF-16 has NULs) is checked whole.
+    if _SURROGATE_ESCAPE.search(raw) or b"\x00" in raw[:4]:
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("The request body contains invalid Unicode: an unpaired surrogate escape "
+                              "(\\ud800-\\udfff without its pair).", None, "invalid_unicode") from None
+    return body
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -98,6 +122,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    store: bool | None = None  # accepted and ignored (vLLM does the same)
+    metadata: dict[str, str] | None = None  # accepted and ignored
+    service_tier: str | None = None  # accepted and ignored
     # extensions
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
@@ -199,7 +226,9 @@ class ChatMessage(BaseModel):
         return v
 
     def text(self, i: int) -> str:
-        extra = set(self.model_extra or {})
+        # Clients send an earlier response's message back as it came
+        # (``refusal: null``, ``tool_calls: []``, ...): empty fields are no request.
+        extra = {k for k, v in (self.model_extra or {}).items() if v not in (None, "", [], {})}
         if extra:
             field = sorted(extra)[0]
             raise unsupported(f"messages.{i}.{field}", "tool calls and other message fields are not implemented")
