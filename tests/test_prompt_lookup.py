@@ -127,3 +127,33 @@ def test_sampled_requests_skip_lookups_unless_asked(ckpt):
     assert all(o.metrics.num_lookup_steps == 0 for o in plain)
     asked = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=1, prompt_lookup_sampled=True).generate(PROMPTS, sampled)
     assert sum(o.metrics.num_lookup_steps for o in asked) > 0
+
+
+def test_offline_policy_replay_matches_serving(ckpt, tmp_path):
+    """bench/draft_policies.py scores drafts against the greedy continuation
+    and replays steps offline; for the drafter alone and for the engine's
+    own rule (lookup first) it must give what serving measures."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "draft_policies.py"
+    spec = importlib.util.spec_from_file_location("draft_policies", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"t-{c}-{i}", "prompt": p}) + "\n"
+                               for i, (c, p) in enumerate(zip(["a", "b", "a", "b"], PROMPTS))))
+    report = mod.main(["--target", str(ckpt / "t"), "--drafter", str(ckpt / "d"), "--prompts", str(prompts),
+                       "--max-tokens", "40", "--feed", "1"])
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for name, lookup_min in (("drafter", 0), ("lookup 2..4 first", 2)):
+        outs = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=lookup_min).generate(PROMPTS, params)
+        steps = sum(len(o.metrics.acceptance_lengths) for o in outs)
+        served = sum(sum(o.metrics.acceptance_lengths) for o in outs) / steps
+        got = report["policies"][name]
+        assert got["steps"] == steps and got["mean_acceptance_length"] == round(served, 3), (name, got, served)
+    pol = report["policies"]
+    assert pol["oracle: any"]["mean_acceptance_length"] >= max(
+        v["mean_acceptance_length"] for k, v in pol.items() if not k.startswith("oracle"))
+    assert set(report["teacher_forced_all_anchors"]) == {"one pass", "second pass shown 1"}

@@ -317,6 +317,10 @@ def test_invalid_parameters(server):
     status, _, body = server.request("POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs,
                                                                       "max_tokens": "many"})
     assert status == 400 and body["error"]["param"] == "max_tokens" and body["error"]["type"] == "invalid_request_error"
+    status, _, body = server.request("POST", "/v1/completions", {"prompt": 5})  # a union: named as the field
+    assert status == 400 and body["error"]["param"] == "prompt" and "string or a valid list" in body["error"]["message"]
+    status, _, body = server.request("POST", "/v1/completions", {"prompt": [5] * 300, "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     status, _, body = server.request("POST", "/v1/chat/completions", b"{not json")
     assert status == 400 and "JSON" in body["error"]["message"]
     status, _, body = server.request("POST", "/v1/chat/completions", {"model": MODEL})

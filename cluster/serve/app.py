@@ -383,7 +383,7 @@ class SpecRayServer:
             try:
                 first = await lease.next()
             except ValueError as e:  # the engine rejected the prompt
-                raise P.bad_request(str(e), "messages" if kind == "chat" else "prompt") from None
+                raise P.prompt_error(e, "messages" if kind == "chat" else "prompt") from None
             except RuntimeError as e:
                 raise P.APIError(500, str(e), "server_error") from None
         except P.APIError as e:
@@ -566,7 +566,7 @@ class SpecRayServer:
                     if out.finished:
                         break
             except ValueError as e:
-                raise P.bad_request(str(e), "prompt") from None
+                raise P.prompt_error(e, "prompt") from None
             except RuntimeError as e:
                 raise P.APIError(500, str(e), "server_error") from None
             lease.status = "OK"

@@ -45,22 +45,35 @@ def unsupported(param: str, detail: str) -> APIError:
                     param, "unsupported_parameter")
 
 
+_TYPE_TAG = re.compile(r"(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)")
+
+
 def from_validation_error(e: ValidationError | list[dict]) -> APIError:
     """The first pydantic error as an OpenAI 400."""
-    err = (e if isinstance(e, list) else e.errors())[0]
-    loc = [str(p) for p in err.get("loc", ())]
-    param = ".".join(loc) or None
+    errors = e if isinstance(e, list) else e.errors()
+    err = errors[0]
+    # pydantic names the member of a union each error is about ("prompt.str"):
+    # the client sent one field, not a type; the members' messages go together.
+    param = _param(err)
+    msgs = [x.get("msg", "") for x in errors if _param(x) == param]
     if err.get("type") == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error",
                         param, "unrecognized_argument")
     if err.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     msg = err.get("msg", "invalid value")
+    for other in dict.fromkeys(msgs[1:]):
+        if other != msg:
+            msg += " or " + other.removeprefix("Input should be ")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     got = err.get("input")
     shown = json.dumps(got)[:200] if _jsonable(got) else repr(got)[:200]
     return bad_request(f"Invalid value for '{param}': {msg} (got {shown}).", param, "invalid_value")
+
+
+def _param(err: dict) -> str | None:
+    return ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.fullmatch(str(p))) or None
 
 
 def _jsonable(x) -> bool:
@@ -69,6 +82,13 @@ def _jsonable(x) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def prompt_error(e: ValueError, param: str) -> APIError:
+    """The engine's refusal of a prompt (too long, empty, ids outside the
+    vocabulary) as a 400 with OpenAI's codes."""
+    msg = str(e)
+    return bad_request(msg, param, "context_length_exceeded" if "max_model_len" in msg else "invalid_value")
 
 
 def sampling_error(e: ValueError) -> APIError:
