@@ -195,9 +195,13 @@ def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[Req
         raise PromptsRefused(bad)
     wanted = set(ids)
     done: dict[str, RequestOutput] = {}
-    while len(done) < len(ids):
-        core.cursor, outs = core.get_outputs(core.cursor, 1.0)
-        for o in outs:
-            if o.finished and o.request_id in wanted:
-                done[o.request_id] = o
+    try:
+        while len(done) < len(ids):
+            core.cursor, outs = core.get_outputs(core.cursor, 1.0)
+            for o in outs:
+                if o.finished and o.request_id in wanted:
+                    done[o.request_id] = o
+    except BaseException:  # interrupted: the engine must not keep generating them
+        core.abort([i for i in ids if i not in done])
+        raise
     return [done[i] for i in ids]

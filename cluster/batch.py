@@ -286,7 +286,7 @@ def _check_models(kw: dict, strict: bool) -> None:
 
     try:
         EngineConfig(**{k: v for k, v in kw.items() if k not in ("backend", "tensor_parallel_size", "drafter_placement")})
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise BatchError(f"bad engine setting: {e}") from None
     if not strict and not Path(kw["target"]).is_dir():
         return
@@ -318,6 +318,9 @@ def run(args) -> dict:
     paths = [p.resolve() for p in (inp, output, errors_path, summary_path)]
     if len(set(paths)) < 4:
         raise BatchError("--input, --output, --errors and --summary must be four different files")
+    for p in paths[1:]:
+        if p.is_dir():
+            raise BatchError(f"{p} is a directory: --output, --errors and --summary name files")
     if args.replicas < 1 or args.tp < 1:
         raise BatchError("--replicas and --tp must be at least 1")
 

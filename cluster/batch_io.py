@@ -68,7 +68,13 @@ def read_records(path: str | os.PathLike, fmt: str):
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        for i, rec in enumerate(pq.read_table(path).to_pylist(), start=1):
+        import pyarrow as pa
+
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise BatchError(f"cannot read {path} as Parquet: {e}") from None
+        for i, rec in enumerate(table.to_pylist(), start=1):
             yield i, rec
         return
     with open(path, "rb") as f:
@@ -77,8 +83,12 @@ def read_records(path: str | os.PathLike, fmt: str):
                 continue  # blank lines (a trailing newline, spacing) are not records
             try:
                 yield i, json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield i, f"invalid JSON: {e}"
+            except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, an int over 4300 digits; too deep
+                yield i, Unreadable(f"invalid JSON: {type(e).__name__}: {e}"[:500])
+
+
+class Unreadable(str):
+    """Why a line could not be read (a line holding a JSON string is a record)."""
 
 
 def id_key(value) -> str:
@@ -109,8 +119,8 @@ def validate_record(rec, defaults: dict) -> tuple[dict | None, str | None]:
     params already checked by ``SamplingParams``."""
     from specray.sampling import SamplingParams
 
-    if isinstance(rec, str):
-        return None, rec
+    if isinstance(rec, Unreadable):
+        return None, str(rec)
     if not isinstance(rec, dict):
         return None, f"a row must be a JSON object, got {type(rec).__name__}"
     rid = rec.get("id")
@@ -145,7 +155,7 @@ def validate_record(rec, defaults: dict) -> tuple[dict | None, str | None]:
         params[k] = v
     try:
         SamplingParams(**params)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         return None, f"invalid sampling params: {e}"
     task["params"] = params
     return task, None

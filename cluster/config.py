@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -285,6 +285,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+_SETTING_TYPES = {"int": (int,), "int | None": (int, type(None)), "float": (int, float), "bool": (bool,),
+                  "str": (str, os.PathLike), "str | None": (str, os.PathLike, type(None))}
+
+
 @dataclass
 class EngineConfig:
     """What an engine runs and how much it may hold."""
@@ -325,8 +329,18 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        # Settings come from YAML, --engine-arg and JSON too: a wrong type
+        # is named here, not as a tensor-shape error in a worker.
+        for f in fields(self):
+            kinds = _SETTING_TYPES.get(f.type)
+            v = getattr(self, f.name)
+            if kinds and (not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds)):
+                raise ConfigError(f"{f.name} must be {f.type.replace(' | None', ' (or unset)')}, got {v!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("num_kv_blocks", "num_draft_kv_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 2:  # block 0 is reserved
+                raise ConfigError(f"{name} must be at least 2 (or unset), got {getattr(self, name)}")
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -158,6 +158,10 @@ class EngineCore:
                     f"prompt has {len(prompt)} characters, more than {self.max_model_len - 1} tokens can spell "
                     f"(max_model_len {self.max_model_len}, minus one token to generate)"
                 )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text ({e.reason} at character {e.start})") from None
             with self._encoder_lock:
                 ids = self._encoder.encode(prompt, add_special_tokens=True)
             text = prompt

@@ -170,11 +170,20 @@ class LLM:
             raise PromptsRefused(bad)
         for r in reqs:
             self.engine.admit(r)
+        wanted = {r.request_id for r in reqs}
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(reqs):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while len(done) < len(reqs):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+        except BaseException:
+            # Interrupted (Ctrl-C) or a failed step: this call's requests
+            # must not stay in the engine, to be stepped by the next call.
+            for r in reqs:
+                if r.request_id not in done:
+                    self.engine.abort_request(r.request_id)
+            raise
         return [done[r.request_id] for r in reqs]
 
     def stats(self) -> dict:

@@ -54,17 +54,16 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if not _finite_number(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {_short(self.temperature)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
             # Logits divided by so small a temperature overflow float32; the
             # distribution is the argmax's anyway (vLLM's rule too).
             self.temperature = 0.0
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {_short(self.top_p)}")
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -74,7 +73,7 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {_short(self.seed)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -87,6 +86,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _finite_number(x) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _short(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 @dataclass

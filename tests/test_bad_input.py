@@ -35,6 +35,8 @@ def ckpt(tmp_path_factory):
         (dict(stop=[3]), "stop must be"),
         (dict(temperature=float("inf")), "temperature must be a finite number"),
         (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(temperature=10**400), "temperature must be a finite number"),  # was an OverflowError
+        (dict(top_p=10**400), r"top_p must be in \(0, 1\]"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):
@@ -85,6 +87,34 @@ def test_engine_keeps_serving_after_bad_requests(ckpt):
             if o.finished:
                 done = o
     assert done.request_id == good and len(done.token_ids) == 20
+
+
+def test_interrupted_generate_leaves_nothing_behind(ckpt, monkeypatch):
+    """Ctrl-C in LLM.generate (or a step that fails) must not leave that
+    call's requests in the engine: the next call stepped them along with
+    its own and failed with a KeyError, every time."""
+    root, _ = ckpt
+    llm = LLM(str(root / "t"), str(root / "d"), num_kv_blocks=64)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    step, calls = llm.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts * 2, params)
+    monkeypatch.setattr(llm.engine, "step", step)
+    assert not llm.engine.has_unfinished()
+    sched = llm.engine.scheduler
+    assert sched.target_pool.num_free == sched.target_pool.capacity
+    assert sched.draft_pool.num_free == sched.draft_pool.capacity
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
 
 def test_missing_and_corrupt_checkpoints(ckpt, tmp_path):
@@ -164,6 +194,13 @@ def test_engine_config_errors(ckpt):
         LLM(root / "t").generate([[1], [2]], [SamplingParams()])
     with pytest.raises(ConfigError, match="num_speculative_tokens must be at least 1"):
         LLM(root / "t", root / "d", num_speculative_tokens=0)
+    # wrong types (from YAML, --engine-arg, JSON) are named, not left to fail in a worker
+    for kw, match in [(dict(num_kv_blocks="x"), "num_kv_blocks must be int"),
+                      (dict(max_model_len="256"), "max_model_len must be int"),
+                      (dict(num_kv_blocks=-1), "num_kv_blocks must be at least 2"),
+                      (dict(cuda_graphs=1), "cuda_graphs must be bool")]:
+        with pytest.raises(ConfigError, match=match):
+            LLM(root / "t", **kw)
 
 
 def test_batch_with_bad_prompts_names_each_and_runs_none(ckpt):

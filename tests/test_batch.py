@@ -230,6 +230,48 @@ def test_engine_flags_reach_the_engine_config():
     assert kw["prompt_lookup_min"] == 0 and kw["max_num_seqs"] == 4
 
 
+def test_bad_files_and_settings_exit_2_naming_the_problem(models, tmp_path, capsys):
+    """Checked before any Ray work: each was a traceback (exit 1) or, for a
+    bad --engine-arg value, a worker failure that said to rerun."""
+    from specray.batch import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "hi"}\n')
+    (tmp_path / "odir").mkdir()
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    model = ["--target", str(models / "t"), "--drafter", str(models / "d")]
+    for argv, said in [
+        (["--input", str(inp), "--output", str(tmp_path / "odir")], "is a directory"),
+        (["--input", str(tmp_path / "bad.parquet"), "--output", str(tmp_path / "o.parquet")], "as Parquet"),
+        (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--engine-arg", "num_kv_blocks=x"],
+         "num_kv_blocks must be int"),
+        (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--engine-arg", "kv_block_size=abc"],
+         "kv_block_size must be int"),
+    ]:
+        assert main([*argv, *model]) == 2, argv
+        assert said in capsys.readouterr().err, argv
+
+
+def test_unreadable_lines_are_error_rows_not_crashes(tmp_path):
+    from specray.batch_io import read_records
+
+    d = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": None}
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join([
+        b'"just a string"',  # a JSON string is a record (of the wrong kind), not a reason
+        b"[" * 100_000 + b"]" * 100_000,  # RecursionError in json
+        b'{"id": 1, "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",  # int beyond 4300 digits
+        b'{"id": 2, "prompt": "x", "temperature": 1' + b"0" * 400 + b"}",  # OverflowError as a float
+        b'{"id": 3, "prompt": "x"}',
+    ]))
+    got = [(line, validate_record(rec, d)) for line, rec in read_records(path, "jsonl")]
+    assert [line for line, _ in got] == [1, 2, 3, 4, 5]
+    reasons = [why for _, (_, why) in got]
+    assert reasons[0] == "a row must be a JSON object, got str"
+    assert reasons[1].startswith("invalid JSON: RecursionError") and reasons[2].startswith("invalid JSON: ValueError")
+    assert "temperature must be a finite number" in reasons[3] and reasons[4] is None
+
+
 def test_jsonl_rows_are_single_lines():
     line = _dump_line({"id": "a", "text": "x\u2028y\nz\u00e9"})
     assert line.count(b"\n") == 1 and len(line.decode().splitlines()) == 1

@@ -112,3 +112,14 @@ def test_cli_generate_prints_text_and_stats(ckpt, capsys):
     stats = _json.loads(out[-1])
     assert rc == 0 and stats["tokens"] == 12 and stats["mean_acceptance_length"] >= 1
     assert main(["generate", "--target", str(ckpt / "nowhere"), "x"]) == 2
+
+
+def test_a_prompt_that_is_not_unicode_text_is_refused(ckpt):
+    """A lone surrogate (what a JSON \\ud800 escape decodes to) made the
+    tokenizer raise a TypeError, which a batch job took for a crash."""
+    from specray.request import PromptsRefused
+
+    llm = LLM(ckpt / "t", ckpt / "d", num_kv_blocks=64)
+    with pytest.raises(PromptsRefused, match="not valid Unicode"):
+        llm.generate(["fine", "x\ud800y"], SamplingParams(max_tokens=2))
+    assert len(llm.generate(["fine"], SamplingParams(max_tokens=2))[0].token_ids) == 2
