@@ -374,16 +374,22 @@ def run(args) -> dict:
     try:
         done = sink.open()
         errlog.open()
-        if args.retry_errors and any(e.get("stage") == "engine" for e in errlog.rows):
-            keep = [e for e in errlog.rows if e.get("stage") != "engine"]
-            _atomic_write_text(errors_path, "".join(_dump_line(e).decode("utf-8") for e in keep))
+        # The errors file describes this input: its input errors are this
+        # run's, and an engine error stands (unless retried) for an id this
+        # input still runs. Rows are matched by id, never by line: a line
+        # number names another row once the input is edited.
+        current = {t["id_json"] for t in tasks}
+        engine_errors = [e for e in errlog.rows if e.get("stage") == "engine" and "id" in e
+                         and id_key(e["id"]) in current and not args.retry_errors]
+        before = {_dump_line(e) for e in errlog.rows}
+        new_input_errors = [e for e in input_errors if _dump_line(e) not in before]
+        if errlog.rows != input_errors + engine_errors:
             errlog.close()
+            _atomic_write_text(errors_path, "".join(_dump_line(e).decode("utf-8")
+                                                    for e in input_errors + engine_errors))
             errlog = JsonlLog(errors_path).open()
-        recorded_lines = {e.get("line") for e in errlog.rows}
-        engine_done = {e.get("line") for e in errlog.rows if e.get("stage") == "engine"}
-        new_input_errors = [e for e in input_errors if e["line"] not in recorded_lines]
-        errlog.append(new_input_errors)
-        pending = [t for t in tasks if t["id_json"] not in done and t["line"] not in engine_done]
+        engine_done = {id_key(e["id"]) for e in engine_errors}
+        pending = [t for t in tasks if t["id_json"] not in done and t["id_json"] not in engine_done]
         resumed = len(tasks) - len(pending)
         ok_before = len(done & order.keys())
         unknown = len(done) - ok_before
@@ -410,7 +416,7 @@ def run(args) -> dict:
                 status, failure = "failed", f"{type(e).__name__}: {lines[-1] if lines else ''}"[:1000]
         if status == "complete":
             sink.finalize(order)
-        n_errors = len(errlog.rows) + len(new_input_errors) + prog.errors
+        n_errors = len(errlog.rows) + prog.errors
     finally:
         sink.close()
         errlog.close()

@@ -408,6 +408,17 @@ def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
     r2 = run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--tp", "2"))
     assert (out.read_bytes(), (tmp_path / "out.jsonl.errors.jsonl").read_bytes()) == before
     assert json.loads(r2.stdout)["errors_new"] == 0 and json.loads(r2.stdout)["rows_resumed"] == 4
+    # The input edited between runs: rows are matched by id, not by line (a
+    # new row where the refused one was used to be skipped as "done", and a
+    # fixed row stayed in the errors file beside its output).
+    lines[8] = json.dumps({"id": "new-row", "prompt": "Hello", "max_tokens": 4})  # where too-long was
+    lines[6] = json.dumps({"id": "bad-temp", "prompt": "hi", "max_tokens": 4})  # fixed
+    inp.write_text("\n".join(lines) + "\n")
+    r3 = json.loads(run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--tp", "2")).stdout)
+    assert sorted(str(x["id"]) for x in read_jsonl(out)) == ["7", "bad-temp", "dup", "new-row", "ok-1"]
+    errors = read_jsonl(tmp_path / "out.jsonl.errors.jsonl")
+    assert sorted(e["line"] for e in errors) == [2, 3, 4, 6, 8, 10, 11]
+    assert r3["rows_generated"] == 2 and r3["rows_ok"] + r3["errors"] == r3["rows_input"] == 12
 
 
 def test_parquet_in_parquet_out(models, head, job240, tmp_path):
