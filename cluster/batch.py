@@ -67,6 +67,7 @@ from specray.batch_io import (
     validate_record,
 )
 from specray.cli import add_model_args
+from specray.config import ConfigError
 from specray.request import PromptsRefused
 
 
@@ -411,6 +412,8 @@ def run(args) -> dict:
                          total=len(tasks))
             except KeyboardInterrupt:
                 status, failure = "interrupted", "interrupted"
+            except (BatchError, ConfigError):  # the job as given cannot run: rerunning would not help
+                raise
             except Exception as e:  # a replica died, the cluster went away, ...
                 lines = [ln for ln in str(e).splitlines() if ln.strip()]
                 status, failure = "failed", f"{type(e).__name__}: {lines[-1] if lines else ''}"[:1000]
@@ -474,6 +477,11 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done: set, done_befo
         inprocess = llm_kwargs["backend"] == "inprocess"
         cpus = args.cpus_per_replica if args.cpus_per_replica is not None else (1.0 if inprocess else 0.0)
         gpus = (args.gpus_per_replica or 1.0) if (gpu and inprocess) else 0.0
+        # A replica the cluster can never place would wait for it forever
+        # (the Ray engine checks its own actors when it starts them).
+        from specray.placement import _check_resources
+
+        _check_resources(ray, {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0})
         batch_size = args.batch_size or max(1, min(64, math.ceil(len(pending) / (2 * args.replicas))))
         args.batch_size = batch_size
         threads = max(1, int(cpus)) if (inprocess and not gpu) else None
@@ -571,8 +579,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specray.config import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         summary = run(args)
