@@ -344,6 +344,9 @@ def run(args) -> dict:
     except ValueError as e:
         raise BatchError(f"invalid sampling options: {e}") from None
 
+    settings = {"target": target, "drafter": drafter, "sampling": defaults,
+                "engine": {k: v for k, v in llm_kwargs.items() if k not in ("target", "drafter")}}
+
     # ---- read + validate in the driver (cheap checks only)
     tasks: list[dict] = []  # {"line", "id_json", "task"}
     input_errors: list[dict] = []
@@ -399,6 +402,10 @@ def run(args) -> dict:
                   f"{sink.log_path.name}, {errlog.discarded_bytes} B in {errors_path.name})", file=sys.stderr)
         if resumed:
             print(f"specray batch: resuming: {resumed} of {len(tasks)} rows already done", file=sys.stderr)
+            changed = _changed_settings(summary_path, settings)
+            if changed:
+                print(f"specray batch: warning: the earlier run used other settings ({', '.join(changed)}); "
+                      "rows already done keep what it generated", file=sys.stderr)
         if unknown:
             print(f"specray batch: warning: {sink.log_path} holds {unknown} ids that are not in {inp}",
                   file=sys.stderr)
@@ -450,6 +457,7 @@ def run(args) -> dict:
         "backend": llm_kwargs["backend"],
         "target": target,
         "drafter": drafter,
+        "settings": settings,
     }
     if unknown:
         summary["rows_not_in_input"] = unknown
@@ -458,6 +466,25 @@ def run(args) -> dict:
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _changed_settings(summary_path: Path, settings: dict) -> list[str]:
+    """The settings (by name) an earlier run of this job used differently."""
+    try:
+        before = json.loads(summary_path.read_text()).get("settings")
+    except (OSError, ValueError):
+        return []
+    if not isinstance(before, dict):
+        return []
+    now = json.loads(json.dumps(settings))  # as the summary stores them
+    out = []
+    for group in now:
+        a, b = before.get(group), now[group]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            out.append(f"{group}: {a!r} -> {b!r}")
+    return out
 
 
 def _execute(args, llm_kwargs, pending, sink, errlog, prog, done: set, done_before: int, total: int) -> None:

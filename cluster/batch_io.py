@@ -126,6 +126,8 @@ def validate_record(rec, defaults: dict) -> tuple[dict | None, str | None]:
     rid = rec.get("id")
     if _missing(rid):
         return None, "missing id"
+    if isinstance(rid, float) and rid.is_integer():
+        rid = int(rid)  # Parquet written by pandas stores nullable int ids as floats
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         return None, f"id must be a non-empty string or an integer, got {rid!r}"
     prompt, messages = rec.get("prompt"), rec.get("messages")

@@ -18,6 +18,7 @@ Ray actor group in the distributed backend.
 from __future__ import annotations
 
 import copy
+import operator
 import random
 import threading
 import time
@@ -51,6 +52,22 @@ class StepStats:
     total: float = 0.0
     propose: float = 0.0
     verify: float = 0.0
+
+
+def _token_ids(prompt) -> list[int]:
+    """A token-id prompt as ints: integers only (numpy's too); 1.7, "1" or
+    True are no token ids."""
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {t!r} at index {i}") from None
+    return ids
 
 
 class EngineCore:
@@ -166,12 +183,7 @@ class EngineCore:
                 ids = self._encoder.encode(prompt, add_special_tokens=True)
             text = prompt
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError("prompt must be a string or a list of token ids") from None
-            if any(isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt token ids must be integers")
+            ids = _token_ids(prompt)
             text = None
         if not ids:
             raise ValueError("prompt is empty")

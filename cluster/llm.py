@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import load_tokenizer
 from specray.engine import EngineCore
@@ -46,6 +48,9 @@ def build_engine(config: EngineConfig) -> EngineCore:
     from specray.actors.drafter import DrafterWorker
     from specray.actors.target import TargetWorker
 
+    if str(config.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {config.device!r}, but this process sees no CUDA device "
+                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
     target_spec = TargetSpec.from_dir(config.target)
     drafter_spec = DrafterSpec.from_dir(config.drafter) if config.drafter else None
     if drafter_spec is not None:
@@ -148,9 +153,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A prompt is text or a list of token ids.
         Every prompt is validated before any runs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if prompts is None or isinstance(prompts, (int, bytes, dict)):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                             f"got {type(prompts).__name__}")
+        prompts = prompts if isinstance(prompts, str) else list(prompts)
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
             prompts = [prompts]
-        prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         params = list(params)

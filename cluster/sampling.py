@@ -76,9 +76,13 @@ class SamplingParams:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {_short(self.seed)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop must be a string or a list of strings")
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {_short(self.stop)}")
+        self.stop = [s for s in self.stop if s]
+        if not isinstance(self.stop_token_ids or [], (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {_short(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")

@@ -36,6 +36,9 @@ def ckpt(tmp_path_factory):
         (dict(temperature=float("inf")), "temperature must be a finite number"),
         (dict(temperature=float("nan")), "temperature must be a finite number"),
         (dict(temperature=10**400), "temperature must be a finite number"),  # was an OverflowError
+        (dict(stop=5), "stop must be a string or a list of strings"),  # was "'int' object is not iterable"
+        (dict(stop={"q": 1}), "stop must be a string or a list of strings"),  # was taken as ["q"]
+        (dict(stop=["ok", None]), "stop must be a string or a list of strings"),  # was dropped silently
         (dict(top_p=10**400), r"top_p must be in \(0, 1\]"),
     ],
 )
@@ -87,6 +90,24 @@ def test_engine_keeps_serving_after_bad_requests(ckpt):
             if o.finished:
                 done = o
     assert done.request_id == good and len(done.token_ids) == 20
+
+
+def test_prompts_of_the_wrong_kind_are_named(ckpt):
+    root, _ = ckpt
+    llm = LLM(str(root / "t"), str(root / "d"), num_kv_blocks=64)
+    for prompts in (5, None, {"prompt": [1]}, b"hello"):
+        with pytest.raises(ValueError, match="prompts must be a string, a list of token ids"):
+            llm.generate(prompts)
+    for prompt, match in (([1.7, 2.2], "must be integers, got 1.7 at index 0"),
+                          (["1", "2"], "must be integers, got '1'"), ([3, True], "got True at index 1")):
+        with pytest.raises(PromptsRefused, match=match):  # were read as [1, 2], [1, 2], [3, 1]
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+    import numpy as np
+
+    assert len(llm.generate([np.array([5, 6, 7])], SamplingParams(max_tokens=2))[0].token_ids) == 2
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ConfigError, match="sees no CUDA device"):  # was an AssertionError from torch
+            LLM(str(root / "t"), device="cuda")
 
 
 def test_interrupted_generate_leaves_nothing_behind(ckpt, monkeypatch):

@@ -214,6 +214,9 @@ def test_validate_record():
     assert "top_p" in validate_record({"id": "a", "prompt": "x", "top_p": 0}, d)[1]
     assert "content" in validate_record({"id": "a", "messages": [{"role": "user"}]}, d)[1]
     assert "id must be" in validate_record({"id": True, "prompt": "x"}, d)[1]
+    # Parquet written by pandas holds nullable int ids as floats
+    assert validate_record({"id": 3.0, "prompt": "x"}, d)[0]["id"] == 3
+    assert "id must be" in validate_record({"id": 3.5, "prompt": "x"}, d)[1]
     # A Parquet null (or pandas NaN) is an absent field.
     assert validate_record({"id": "a", "prompt": "x", "messages": None, "seed": float("nan")}, d)[1] is None
     assert id_key(1) != id_key("1")
@@ -270,6 +273,19 @@ def test_unreadable_lines_are_error_rows_not_crashes(tmp_path):
     assert reasons[0] == "a row must be a JSON object, got str"
     assert reasons[1].startswith("invalid JSON: RecursionError") and reasons[2].startswith("invalid JSON: ValueError")
     assert "temperature must be a finite number" in reasons[3] and reasons[4] is None
+
+
+def test_resume_names_settings_that_changed(tmp_path):
+    from specray.batch import _changed_settings
+
+    settings = {"target": "t", "drafter": "d", "sampling": {"max_tokens": 8, "temperature": 0.0},
+                "engine": {"device": "cpu", "num_kv_blocks": 2000}}
+    path = tmp_path / "s.json"
+    assert _changed_settings(path, settings) == []  # no earlier run
+    path.write_text(json.dumps({"status": "complete", "settings": settings}))
+    assert _changed_settings(path, settings) == []
+    now = {**settings, "sampling": {"max_tokens": 2, "temperature": 1.0}, "drafter": None}
+    assert _changed_settings(path, now) == ["drafter: 'd' -> None", "max_tokens: 8 -> 2", "temperature: 0.0 -> 1.0"]
 
 
 def test_jsonl_rows_are_single_lines():
