@@ -41,6 +41,10 @@ appear per block at the end of a write task and it has no notion of "rows
 already done", which resume needs.)
 
 Resume: see ``specray.batch_io`` (the output is the record of what is done).
+Rows are matched by id, never by line: on a rerun the errors file is
+rewritten to describe the current input (its input errors, and the engine
+errors of ids it still holds; ``--retry-errors`` drops those), and the
+summary records the settings, so a resumed job can say which changed.
 """
 
 from __future__ import annotations
