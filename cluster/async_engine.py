@@ -34,7 +34,8 @@ class _LocalCore:
         return self.loop.get_outputs(cursor, timeout)
 
     async def asubmit(self, items):
-        return self.submit(items)
+        # Off the event loop: submitting tokenizes (long prompts take seconds).
+        return await asyncio.to_thread(self.submit, items)
 
     async def aabort(self, ids):
         self.abort(ids)

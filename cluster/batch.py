@@ -361,6 +361,8 @@ def run(args) -> dict:
         n_records += 1
         task, why = validate_record(rec, defaults)
         rid = rec.get("id") if isinstance(rec, dict) else None
+        if isinstance(rid, float) and rid.is_integer():
+            rid = int(rid)  # as validate_record reads it
         if task is not None:
             k = id_key(task["id"])
             if k in first_seen:
@@ -382,6 +384,7 @@ def run(args) -> dict:
     try:
         done = sink.open()
         errlog.open()
+        errlog_discarded = errlog.discarded_bytes
         # The errors file describes this input: its input errors are this
         # run's, and an engine error stands (unless retried) for an id this
         # input still runs. Rows are matched by id, never by line: a line
@@ -401,9 +404,9 @@ def run(args) -> dict:
         resumed = len(tasks) - len(pending)
         ok_before = len(done & order.keys())
         unknown = len(done) - ok_before
-        if sink.log.discarded_bytes or errlog.discarded_bytes:
+        if sink.log.discarded_bytes or errlog_discarded:
             print(f"specray batch: discarded a partial last line ({sink.log.discarded_bytes} B in "
-                  f"{sink.log_path.name}, {errlog.discarded_bytes} B in {errors_path.name})", file=sys.stderr)
+                  f"{sink.log_path.name}, {errlog_discarded} B in {errors_path.name})", file=sys.stderr)
         if resumed:
             print(f"specray batch: resuming: {resumed} of {len(tasks)} rows already done", file=sys.stderr)
             changed = _changed_settings(summary_path, settings)
@@ -508,11 +511,13 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done: set, done_befo
         inprocess = llm_kwargs["backend"] == "inprocess"
         cpus = args.cpus_per_replica if args.cpus_per_replica is not None else (1.0 if inprocess else 0.0)
         gpus = (args.gpus_per_replica or 1.0) if (gpu and inprocess) else 0.0
-        # A replica the cluster can never place would wait for it forever
-        # (the Ray engine checks its own actors when it starts them).
-        from specray.placement import _check_resources
+        if owns_ray:
+            # On the private cluster a replica it can never place would wait
+            # forever (an autoscaling cluster may still add the node; the Ray
+            # engine checks its own actors when it starts them).
+            from specray.placement import _check_resources
 
-        _check_resources(ray, {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0})
+            _check_resources(ray, {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0})
         batch_size = args.batch_size or max(1, min(64, math.ceil(len(pending) / (2 * args.replicas))))
         args.batch_size = batch_size
         threads = max(1, int(cpus)) if (inprocess and not gpu) else None

@@ -5,6 +5,7 @@ that workers can trust what they are given."""
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -285,7 +286,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-_SETTING_TYPES = {"int": (int,), "int | None": (int, type(None)), "float": (int, float), "bool": (bool,),
+_SETTING_TYPES = {"int": (numbers.Integral,), "int | None": (numbers.Integral, type(None)), "float": (numbers.Real,),
+                  "bool": (bool,),
                   "str": (str, os.PathLike), "str | None": (str, os.PathLike, type(None))}
 
 
@@ -336,6 +338,8 @@ class EngineConfig:
             v = getattr(self, f.name)
             if kinds and (not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds)):
                 raise ConfigError(f"{f.name} must be {f.type.replace(' | None', ' (or unset)')}, got {v!r}")
+            if isinstance(v, numbers.Number) and not isinstance(v, bool):  # numpy scalars -> Python numbers
+                setattr(self, f.name, int(v) if isinstance(v, numbers.Integral) else float(v))
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("num_kv_blocks", "num_draft_kv_blocks"):

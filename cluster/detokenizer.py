@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,13 +24,30 @@ def load_tokenizer(path: str | os.PathLike):
 def max_prompt_chars(tokenizer, max_tokens: int) -> float:
     """A length in characters beyond which a text surely takes more than
     ``max_tokens`` tokens, so that an absurdly long prompt is refused
-    without tokenizing it. No token of a byte-level BPE (the targets
-    specray serves) or SentencePiece vocabulary spells more characters than
-    its vocabulary entry has; a margin of 4 covers normalisers that compose
-    characters (NFC joins at most 3 into 1)."""
-    if tokenizer is None:
+    without tokenizing it; infinite where no such bound is sure.
+
+    It holds for a BPE that spells every character with its own tokens
+    (byte-level, or byte fallback): no token then covers more characters
+    than its vocabulary entry has, except an added token that swallows the
+    whitespace around it (lstrip / rstrip), which voids the bound. A margin
+    of 8 covers normalisers that compose characters (NFC joins up to 4 into
+    1)."""
+    if tokenizer is None or not _spells_every_character(tokenizer):
         return float("inf")
-    return 4 * max(map(len, tokenizer.get_vocab())) * max_tokens
+    return 8 * max(map(len, tokenizer.get_vocab())) * max_tokens
+
+
+def _spells_every_character(tokenizer) -> bool:
+    try:
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    except Exception:  # a slow (Python) tokenizer: no spec to read
+        return False
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return False
+    if '"ByteLevel"' not in json.dumps(spec.get("pre_tokenizer")) and not model.get("byte_fallback"):
+        return False
+    return not any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or [])
 
 
 def detokenize_step(tokenizer, req: Request) -> str:

@@ -156,6 +156,8 @@ class LLM:
         if prompts is None or isinstance(prompts, (int, bytes, dict)):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
+        if getattr(prompts, "ndim", None) == 1:  # one prompt as a numpy array or tensor of ids
+            prompts = [prompts]
         prompts = prompts if isinstance(prompts, str) else list(prompts)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
             prompts = [prompts]

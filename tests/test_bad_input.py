@@ -105,6 +105,7 @@ def test_prompts_of_the_wrong_kind_are_named(ckpt):
     import numpy as np
 
     assert len(llm.generate([np.array([5, 6, 7])], SamplingParams(max_tokens=2))[0].token_ids) == 2
+    assert len(llm.generate(np.array([5, 6, 7]), SamplingParams(max_tokens=2))) == 1  # one prompt, not three
     if not __import__("torch").cuda.is_available():
         with pytest.raises(ConfigError, match="sees no CUDA device"):  # was an AssertionError from torch
             LLM(str(root / "t"), device="cuda")
@@ -135,6 +136,18 @@ def test_interrupted_generate_leaves_nothing_behind(ckpt, monkeypatch):
     sched = llm.engine.scheduler
     assert sched.target_pool.num_free == sched.target_pool.capacity
     assert sched.draft_pool.num_free == sched.draft_pool.capacity
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    # a step that fails inside (the target's forward raising) does the same
+    execute = llm.engine.target.execute
+
+    def failing(batch):
+        monkeypatch.setattr(llm.engine.target, "execute", execute)
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(llm.engine.target, "execute", failing)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished() and sched.target_pool.num_free == sched.target_pool.capacity
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
 

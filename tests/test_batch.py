@@ -437,14 +437,16 @@ def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
     assert r3["rows_generated"] == 2 and r3["rows_ok"] + r3["errors"] == r3["rows_input"] == 12
 
 
-def test_a_replica_the_cluster_cannot_place_is_refused(models, head, tmp_path):
-    """It waited for resources forever (a GPU on a CPU-only cluster, more
-    CPUs than the cluster has)."""
+def test_a_replica_the_cluster_cannot_place_is_refused(models, tmp_path):
+    """On the private cluster it starts, it waited for resources forever (a
+    GPU on a CPU-only cluster, more CPUs than the cluster has)."""
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": 1, "prompt": "hi"}\n')
-    for extra in (["--cpus-per-replica", "64"], ["--device", "cuda"]):
-        r = subprocess.run(batch_cmd(models, inp, tmp_path / "out.jsonl", head, "--no-progress", *extra),
-                           env=_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    cmd = [sys.executable, "-m", "specray.cli", "batch", "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+           "--target", str(models / "t"), "--drafter", str(models / "d"), "--num-cpus", "2", "--no-progress"]
+    env = {k: v for k, v in _env().items() if k != "RAY_ADDRESS"}
+    for extra in (["--cpus-per-replica", "3"], ["--device", "cuda"]):
+        r = subprocess.run([*cmd, *extra], env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
         assert r.returncode == 2 and "too small for this engine" in r.stderr, (extra, r.stderr[-2000:])
 
 

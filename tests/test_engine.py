@@ -123,3 +123,21 @@ def test_a_prompt_that_is_not_unicode_text_is_refused(ckpt):
     with pytest.raises(PromptsRefused, match="not valid Unicode"):
         llm.generate(["fine", "x\ud800y"], SamplingParams(max_tokens=2))
     assert len(llm.generate(["fine"], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_prompt_length_bound_only_where_it_is_sure(ckpt):
+    """Prompts longer than max_prompt_chars are refused untokenized, so the
+    bound must never refuse a prompt that fits: it exists for a BPE that
+    spells every character (byte-level here), and not once an added token
+    swallows whitespace (one such token can cover any number of spaces)."""
+    from tokenizers import AddedToken
+
+    from specray.detokenizer import load_tokenizer, max_prompt_chars
+
+    tok = load_tokenizer(ckpt / "t")
+    longest = max(map(len, tok.get_vocab()))
+    assert max_prompt_chars(tok, 100) == 8 * longest * 100
+    assert max_prompt_chars(None, 100) == float("inf")
+    tok.add_tokens([AddedToken("<|x|>", lstrip=True, rstrip=True)])
+    assert len(tok.encode("<|x|>" + " " * 5000 + "<|x|>", add_special_tokens=False)) <= 3
+    assert max_prompt_chars(tok, 100) == float("inf")

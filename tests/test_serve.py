@@ -342,6 +342,8 @@ def test_hostile_bodies_get_clear_errors(server):
     status, _, body = server.request("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", '
                                      b'"content": "\\ud800"}]}')
     assert status == 400 and body["error"]["code"] == "invalid_unicode", body
+    status, _, body = post(b'{"prompt": "hi", "model": "\xed\xb0\x80"}')  # a surrogate as raw bytes
+    assert status == 400 and body["error"]["code"] == "invalid_json", body
     status, _, body = post({"prompt": "x", "max_tokens": 2, "pad": "y" * BODY_LIMIT})
     assert status == 413 and body["error"]["code"] == "request_too_large", body
     # A prompt no tokenization could fit is refused before tokenizing (it

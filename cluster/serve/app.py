@@ -30,8 +30,8 @@ import hmac
 import inspect
 import logging
 import os
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -189,7 +189,7 @@ class SpecRayServer:
         config = s.engine_config()
         self.max_model_len = resolve_max_model_len(config, TargetSpec.from_dir(config.target))
         self.tokenizer = load_tokenizer(config.target)
-        self._tokenizer_lock = threading.Lock()
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specray-tokenize")
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len - 1)
         self.engine = AsyncEngine.from_config(config, backend=s.backend, tensor_parallel_size=s.tensor_parallel_size,
                                               drafter_placement=s.drafter_placement)
@@ -287,18 +287,14 @@ class SpecRayServer:
 
     # ------------------------------------------------------------- prompts
     async def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The messages through the chat template, tokenized in a worker
-        thread: on the replica's event loop a long prompt would hold every
-        other stream of the replica."""
+        """The messages through the chat template, tokenized on the
+        replica's one tokenizing thread: on the event loop a long prompt
+        would hold every other stream of the replica, and a fast tokenizer
+        is not safe to share between threads."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise P.bad_request("This model has no chat template; use /v1/completions.", "messages")
-        chars = sum(len(m["content"]) for m in messages)
-        if chars > self.max_prompt_chars:
-            raise P.bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the messages have "
-                f"{chars} characters, more than that many tokens can spell.", "messages", "context_length_exceeded")
-        ids = await asyncio.to_thread(self._render_chat, messages)
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._render_chat, messages)
         if len(ids) >= self.max_model_len:
             raise P.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens; the messages take "
@@ -306,13 +302,17 @@ class SpecRayServer:
         return ids
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
-        with self._tokenizer_lock:  # a fast tokenizer is not safe to share between threads
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # jinja TemplateError and friends
-                raise P.bad_request(f"The chat template rejected the messages: {e}", "messages") from None
-            # The template writes its own special tokens (BOS included).
-            return self.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja TemplateError and friends
+            raise P.bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+        if len(text) > self.max_prompt_chars:
+            raise P.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the rendered messages "
+                f"have {len(text)} characters, more than that many tokens can spell.", "messages",
+                "context_length_exceeded")
+        # The template writes its own special tokens (BOS included).
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")

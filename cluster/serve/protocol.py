@@ -103,19 +103,20 @@ def sampling_error(e: ValueError) -> APIError:
 # ---------------------------------------------------------------- requests
 # A \uD800-\uDFFF escape: half of a surrogate pair, or a lone one, which no
 # UTF-8 text (the tokenizer's input, the response) can hold.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def parse_json(raw: bytes) -> Any:
     """The request body as JSON, or a 400 saying why not."""
     try:
-        body = json.loads(raw or b"null")
+        # Strict decoding: json.loads(bytes) would let encoded surrogates through.
+        text = raw.decode(json.detect_encoding(raw)) if raw else "null"
+        body = json.loads(text)
     except (ValueError, RecursionError) as e:  # not JSON / not Unicode (ValueErrors); nested too deep
         raise bad_request(f"We could not parse the JSON body of your request ({type(e).__name__}: {e}). "
                           "The body must be valid JSON.", None, "invalid_json") from None
-    # Only escapes can smuggle in a lone surrogate (raw UTF-8 cannot encode
-    # one); a body that is not UTF-8 (UTF-16 has NULs) is checked whole.
-    if _SURROGATE_ESCAPE.search(raw) or b"\x00" in raw[:4]:
+    # Decoded strictly, only an escape can have made a lone surrogate.
+    if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

@@ -34,11 +34,12 @@ def cancel_if_unfinished(gen) -> None:
 def install() -> bool:
     try:
         from ray.serve._private import proxy
-    except ImportError as e:
+
+        base = getattr(proxy.ProxyResponseGenerator, "specray_base", proxy.ProxyResponseGenerator)
+        names = base.__init__.__code__.co_names  # the private attributes cancel_if_unfinished reads
+    except (ImportError, AttributeError) as e:
         log.warning("specray: cannot patch Serve's proxy (%s)", e)
         return False
-    base = getattr(proxy.ProxyResponseGenerator, "specray_base", proxy.ProxyResponseGenerator)
-    names = base.__init__.__code__.co_names  # the private attributes cancel_if_unfinished reads
     if not (hasattr(base, "cancelled") and "_response" in names and "_done" in names):
         log.warning("specray: Serve's ProxyResponseGenerator changed; client cancels may not reach replicas")
         return False
