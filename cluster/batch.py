@@ -68,6 +68,7 @@ from specray.batch_io import (
     detect_format,
     id_key,
     read_records,
+    record_id,
     validate_record,
 )
 from specray.cli import add_model_args
@@ -360,9 +361,7 @@ def run(args) -> dict:
     for line, rec in read_records(inp, fmt):
         n_records += 1
         task, why = validate_record(rec, defaults)
-        rid = rec.get("id") if isinstance(rec, dict) else None
-        if isinstance(rid, float) and rid.is_integer():
-            rid = int(rid)  # as validate_record reads it
+        rid = record_id(rec)
         if task is not None:
             k = id_key(task["id"])
             if k in first_seen:

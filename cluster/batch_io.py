@@ -66,9 +66,8 @@ def read_records(path: str | os.PathLike, fmt: str):
     or row (Parquet) number; a record that cannot be read comes as a
     string saying why."""
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         import pyarrow as pa
+        import pyarrow.parquet as pq
 
         try:
             table = pq.read_table(path)
@@ -89,6 +88,15 @@ def read_records(path: str | os.PathLike, fmt: str):
 
 class Unreadable(str):
     """Why a line could not be read (a line holding a JSON string is a record)."""
+
+
+def record_id(rec):
+    """A record's id as rows carry it (None for no id): Parquet written by
+    pandas stores nullable int ids as floats."""
+    rid = rec.get("id") if isinstance(rec, dict) else None
+    if isinstance(rid, float) and rid.is_integer():
+        rid = int(rid)
+    return rid
 
 
 def id_key(value) -> str:
@@ -123,11 +131,9 @@ def validate_record(rec, defaults: dict) -> tuple[dict | None, str | None]:
         return None, str(rec)
     if not isinstance(rec, dict):
         return None, f"a row must be a JSON object, got {type(rec).__name__}"
-    rid = rec.get("id")
+    rid = record_id(rec)
     if _missing(rid):
         return None, "missing id"
-    if isinstance(rid, float) and rid.is_integer():
-        rid = int(rid)  # Parquet written by pandas stores nullable int ids as floats
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         return None, f"id must be a non-empty string or an integer, got {rid!r}"
     prompt, messages = rec.get("prompt"), rec.get("messages")

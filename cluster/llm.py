@@ -156,10 +156,11 @@ class LLM:
         if prompts is None or isinstance(prompts, (int, bytes, dict)):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
-        if getattr(prompts, "ndim", None) == 1:  # one prompt as a numpy array or tensor of ids
+        # One prompt: text, or its ids as an array / tensor or a list of ints.
+        if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
             prompts = [prompts]
-        prompts = prompts if isinstance(prompts, str) else list(prompts)
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
