@@ -40,6 +40,13 @@ def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0) 
     copies = sum(1 for e in events if e.name.startswith("cudaMemcpy"))
     graph_launches = sum(1 for e in events if e.name == "cudaGraphLaunch")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    # Which kernels the GPU time goes to (inside graphs too: CUPTI records
+    # their kernels), and how many run a step: at this model size a kernel's
+    # fixed cost, not its bytes, sets the step's GPU time.
+    by_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        by_kernel.setdefault(e.name, []).append(e.device_time)
+    top = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:30]
     return {
         "steps": steps,
         "wall_ms_per_step": round(1000 * wall / steps, 3),
@@ -49,6 +56,12 @@ def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0) 
         "memcpy_calls_per_step": round(copies / steps, 1),
         "mean_acceptance_length": round(sum(acc) / max(len(acc), 1), 3),
         "ms_per_token": round(1000 * wall / max(sum(acc), 1), 3),
+        "gpu_kernels_per_step": round(len(kernels) / steps, 1),
+        "kernels_by_gpu_time": [
+            {"name": name[:120], "per_step": round(len(ts) / steps, 2), "us_per_step": round(sum(ts) / steps, 1),
+             "mean_us": round(sum(ts) / len(ts), 2)}
+            for name, ts in top
+        ],
         "cpu_table": table,
     }
 
@@ -74,6 +87,8 @@ def main(argv=None):
         r = res[name]
         print(f"== {name}: " + ", ".join(f"{k} {v}" for k, v in r.items() if k != "cpu_table"))
         print(r["cpu_table"])
+        for k in r["kernels_by_gpu_time"]:
+            print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.2f}/step  {k['mean_us']:7.2f} us  {k['name']}")
     s, a = res["spec"], res["ar"]
     print(f"spec step / AR step: {s['wall_ms_per_step'] / a['wall_ms_per_step']:.2f}x wall, "
           f"{s['gpu_kernel_ms_per_step'] / a['gpu_kernel_ms_per_step']:.2f}x GPU kernel time")

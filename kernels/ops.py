@@ -3,6 +3,9 @@ PyTorch reference otherwise. Models call these names only."""
 
 from __future__ import annotations
 
+import torch
+
+from specray.kernels import fused
 from specray.kernels.attention import (
     dflash_block_attention_ref,
     paged_attention_ref,
@@ -11,8 +14,18 @@ from specray.kernels.attention import (
 
 try:  # triton is optional: CPU installs run the references
     from specray.kernels import attention_triton as _triton
+    from specray.kernels import fused_triton as _fused
 except Exception:  # ImportError, or a triton that cannot initialise here
-    _triton = None
+    _triton = _fused = None
+
+# The fused elementwise kernels copy the reference's roundings in 16-bit
+# dtypes; fp32 runs the references, so fp32 on a GPU gives the CPU's bits
+# (the compiler may contract an fp32 a*b + c*d into an FMA).
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _fused_ok(x: torch.Tensor) -> bool:
+    return _fused is not None and x.is_cuda and x.dtype in _FUSED_DTYPES
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
@@ -29,4 +42,21 @@ def dflash_block_attention(q, k_block, v_block, k_cache, v_cache, ctx_lens, bloc
               max_ctx_len, block_lens, scale, causal, sliding_window)
 
 
-__all__ = ["store_kv", "paged_attention", "dflash_block_attention"]
+def rms_norm(x, weight, eps, residual=None):
+    fn = _fused.rms_norm if _fused_ok(x) else fused.rms_norm
+    return fn(x, weight, eps, residual)
+
+
+def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm, k_norm, eps,
+             k_cache=None, v_cache=None, slot_mapping=None):
+    pow2 = head_dim >= 2 and head_dim & (head_dim - 1) == 0
+    fn = _fused.qkv_rope if _fused_ok(kv_src) and pow2 else fused.qkv_rope
+    return fn(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm, k_norm, eps,
+              k_cache, v_cache, slot_mapping)
+
+
+def silu_mul(gate_up):
+    return (_fused.silu_mul if _fused_ok(gate_up) else fused.silu_mul)(gate_up)
+
+
+__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul"]

@@ -42,12 +42,13 @@ def assert_close(out, ref):
 
 
 def _patch_interpreter():
-    """Two gaps of Triton 3.6's interpreter, patched for the interp tests only:
+    """Three gaps of Triton 3.6's interpreter, patched for the interp tests only:
     it turns a scalar into a Python int (``range`` bounds read from memory)
     with ``int(array_of_shape_1)``, which numpy >= 2.4 refuses; and its
-    ``tl.dot`` multiplies bf16 operands as their raw uint16 bit patterns.
-    Use ``.item()``, and widen bf16 operands to fp32 (exact) before the
-    matmul, which is what the tensor cores compute."""
+    ``tl.dot`` multiplies bf16 operands as their raw uint16 bit patterns;
+    and it casts fp32 to bf16 by truncation. Use ``.item()``, widen bf16
+    operands to fp32 (exact) before the matmul, which is what the tensor
+    cores compute, and round casts to nearest even, as the GPU does."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -75,6 +76,18 @@ def _patch_interpreter():
         return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder_cls.create_dot = create_dot
+    orig_cast = builder_cls.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        # fp32 -> bf16 truncates in the interpreter; the GPU rounds to
+        # nearest even, which the fused kernels' bit-exact tests rely on.
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            u = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return orig_cast(self, src, dst_type)
+
+    builder_cls.cast_impl = cast_impl
 
 
 def _kernels():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.actors.models.layers import Rotary, apply_rope, rms_norm
+from specray.actors.models.layers import Rotary
 from specray.actors.weights import Checkpoint
 from specray.config import DrafterSpec
 from specray.kernels import ops
@@ -103,13 +103,6 @@ class DFlashDrafter:
         self.embed = embed.to(device=self.device, dtype=self.dtype)
         self.lm_head = lm_head.to(device=self.device, dtype=self.dtype)
 
-    def _kv(self, layer: DrafterLayer, x: torch.Tensor, rope):
-        """K (normed, rotated) and V of ``x`` ``[..., H]``."""
-        nkv, D = self.spec.num_kv_heads, self.head_dim
-        k, v = F.linear(x, layer.kv_proj, layer.kv_bias).split([nkv * D, nkv * D], dim=-1)
-        k = rms_norm(k.unflatten(-1, (nkv, D)), layer.k_norm, self.spec.rms_norm_eps)
-        return apply_rope(k, rope), v.unflatten(-1, (nkv, D))
-
     def store_context(
         self,
         hidden_tapped: torch.Tensor,
@@ -119,11 +112,14 @@ class DFlashDrafter:
     ) -> None:
         """``hidden_tapped`` ``[n, k*H]`` at ``positions`` ``[n]`` into the
         context KV ``[L, 2, blocks, block_size, Hkv, D]`` at ``slot_mapping``."""
-        ctx = rms_norm(F.linear(hidden_tapped.to(self.dtype), self.fc), self.hidden_norm, self.spec.rms_norm_eps)
+        spec = self.spec
+        eps = spec.rms_norm_eps
+        ctx, _ = ops.rms_norm(F.linear(hidden_tapped.to(self.dtype), self.fc), self.hidden_norm, eps)
         rope = self.rotary.lookup(positions, ctx.dtype)
         for li, layer in enumerate(self.layers):
-            k, v = self._kv(layer, ctx, rope)
-            ops.store_kv(kv_cache[li, 0], kv_cache[li, 1], k, v, slot_mapping)
+            kv = F.linear(ctx, layer.kv_proj, layer.kv_bias)
+            ops.qkv_rope(None, kv, 0, spec.num_kv_heads, self.head_dim, rope, None, layer.k_norm, eps,
+                         kv_cache[li, 0], kv_cache[li, 1], slot_mapping)
 
     def propose_hidden(
         self,
@@ -138,22 +134,26 @@ class DFlashDrafter:
         ``block_ids`` ``[S, B]``; block ``s`` starts at position
         ``ctx_lens[s]`` and has ``block_lens[s]`` real rows."""
         spec = self.spec
+        eps = spec.rms_norm_eps
         S, B = block_ids.shape
-        nq, D = spec.num_heads, self.head_dim
+        nq, nkv, D = spec.num_heads, spec.num_kv_heads, self.head_dim
         positions = ctx_lens[:, None] + torch.arange(B, device=block_ids.device)[None]
-        x = F.embedding(block_ids, self.embed)
+        h = F.embedding(block_ids, self.embed).view(S * B, -1)
         if spec.input_embedding_scale != 1.0:
-            x = x * spec.input_embedding_scale
-        rope = self.rotary.lookup(positions, x.dtype)
+            h = h * spec.input_embedding_scale
+        rope = self.rotary.lookup(positions.view(-1), h.dtype)
+        # As in the target: each norm adds the sublayer output ``h`` to the
+        # stream ``residual`` first.
+        residual = None
         for li, layer in enumerate(self.layers):
-            residual = x
-            h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
-            q = F.linear(h, layer.q_proj, layer.q_bias).unflatten(-1, (nq, D))
-            q = apply_rope(rms_norm(q, layer.q_norm, spec.rms_norm_eps), rope)
-            k, v = self._kv(layer, h, rope)
+            x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
+            q = F.linear(x, layer.q_proj, layer.q_bias)
+            kv = F.linear(x, layer.kv_proj, layer.kv_bias)  # [S*B, 2*nkv*D]: K, then V
+            q, k = ops.qkv_rope(q, kv, nq, nkv, D, rope, layer.q_norm, layer.k_norm, eps)
+            v = kv[:, nkv * D :].view(S, B, nkv, D)
             o = ops.dflash_block_attention(
-                q,
-                k,
+                q.view(S, B, nq, D),
+                k.view(S, B, nkv, D),
                 v,
                 kv_cache[li, 0],
                 kv_cache[li, 1],
@@ -165,12 +165,10 @@ class DFlashDrafter:
                 layer.causal,
                 layer.window,
             )
-            x = residual + F.linear(o.flatten(-2), layer.o_proj, layer.o_bias)
-            residual = x
-            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = residual + F.linear(F.silu(gate) * up, layer.down)
-        return rms_norm(x, self.final_norm, spec.rms_norm_eps)
+            h = F.linear(o.reshape(S * B, nq * D), layer.o_proj, layer.o_bias)
+            x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
+            h = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        return ops.rms_norm(h, self.final_norm, eps, residual)[0].view(S, B, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head).float()

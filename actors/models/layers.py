@@ -1,5 +1,5 @@
-"""Pieces shared by the target and the drafter: RMSNorm, rotary embeddings
-and the tensor-parallel context."""
+"""Pieces shared by the target and the drafter: rotary tables and the
+tensor-parallel context (the norms and RoPE itself are ``kernels.ops``)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from specray.config import RopeSpec
 from specray.plan import AttentionMetadata  # noqa: F401  (re-exported for models)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # fp32 statistics, cast back before the weight: the order HF uses, which
-    # parity at 1e-4 depends on.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -55,14 +48,6 @@ class Rotary:
         """cos/sin for ``positions``, shaped to broadcast over heads; looked
         up once per forward and shared by every layer."""
         return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``x`` ``[..., heads, head_dim]``; ``cos_sin`` from ``Rotary.lookup``."""
-    cos, sin = cos_sin
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.actors.models.layers import AttentionMetadata, Rotary, TPContext, apply_rope, rms_norm
+from specray.actors.models.layers import AttentionMetadata, Rotary, TPContext
 from specray.actors.weights import Checkpoint, CheckpointError
 from specray.config import TargetSpec
 from specray.kernels import ops
@@ -160,24 +160,22 @@ class TargetModel:
         ``hidden_states[-1]`` is)."""
         D = self.head_dim
         nq, nkv = self.num_q_heads, self.num_kv_heads
+        eps = self.spec.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         rope = self.rotary.lookup(attn.positions, h.dtype)
         taps: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
+        # ``h`` is the last sublayer's output and ``residual`` the stream
+        # before it: each norm adds the two first (one kernel on the GPU),
+        # so the stream after layer ``li`` appears at layer ``li + 1``'s norm.
+        residual = None
         for li, layer in enumerate(self.layers):
-            residual = h
-            x = rms_norm(h, layer.input_norm, self.spec.rms_norm_eps)
+            x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
+            if li - 1 in tap_layer_ids:
+                taps[li - 1] = residual
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([nq * D, nkv * D, nkv * D], dim=-1)
-            q = q.view(-1, nq, D)
-            k = k.view(-1, nkv, D)
-            v = v.view(-1, nkv, D)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, self.spec.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, self.spec.rms_norm_eps)
-            q = apply_rope(q, rope)
-            k = apply_rope(k, rope)
-            ops.store_kv(kv_cache[li, 0], kv_cache[li, 1], k, v, attn.slot_mapping)
+            q, _ = ops.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, rope, layer.q_norm, layer.k_norm,
+                                eps, kv_cache[li, 0], kv_cache[li, 1], attn.slot_mapping)
             o = ops.paged_attention(
                 q,
                 kv_cache[li, 0],
@@ -190,24 +188,18 @@ class TargetModel:
                 self.scale,
                 layer.window,
             )
-            o = self.tp.all_reduce(F.linear(o.reshape(-1, nq * D), layer.o_proj))
+            h = self.tp.all_reduce(F.linear(o.reshape(-1, nq * D), layer.o_proj))
             if layer.o_bias is not None:
-                o = o + layer.o_bias
-            h = residual + o
-
-            residual = h
-            x = rms_norm(h, layer.post_norm, self.spec.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            y = self.tp.all_reduce(F.linear(F.silu(gate) * up, layer.down))
+                h = h + layer.o_bias
+            x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
+            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+            h = self.tp.all_reduce(F.linear(ops.silu_mul(gate_up), layer.down))
             if layer.down_bias is not None:
-                y = y + layer.down_bias
-            h = residual + y
-            if li in tap_layer_ids and li != last:
-                taps[li] = h
+                h = h + layer.down_bias
 
         if logits_indices is None and not tap_layer_ids:
             return None, None
-        h = rms_norm(h, self.final_norm, self.spec.rms_norm_eps)
+        h, _ = ops.rms_norm(h, self.final_norm, eps, residual)
         if last in tap_layer_ids:
             taps[last] = h
         hidden_tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None

@@ -1,0 +1,108 @@
+"""Where the host's time goes in a decode step, without a profiler: each
+phase of ``EngineCore.step`` timed with ``perf_counter`` and no added
+synchronisation, so a phase that launches GPU work costs its launch only,
+and the wait for the GPU shows up where the step's one sync is (``accept``,
+which reads the results back). Batch 1, one prompt, speculative engine and
+the same engine without a drafter.
+
+    python bench/step_phases.py --target DIR --drafter DIR --cuda-graphs --out phases.json
+
+What it says: a phase's host time beyond the GPU's is time the GPU waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from specray import LLM, SamplingParams
+
+PHASES = {  # EngineCore method -> phase name
+    "_lookup_drafts": "lookup",
+    "_draft_batch": "draft batch",
+    "_target_batch": "target batch",
+    "_accept": "accept (+ wait for the GPU)",
+    "_apply": "apply (+ context store launch)",
+}
+
+
+def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
+    core = llm.engine
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    for method, name in PHASES.items():
+        setattr(core, method, timed(name, getattr(core, method)))
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    if core.drafter is not None:
+        core.drafter.propose = timed("propose (launch + draft argmax)", core.drafter.propose)
+    core.target.execute = timed("target execute (launch)", core.target.execute)
+
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    rid = core.add_request(prompt, params)
+    for _ in range(8):  # prefill + graph capture
+        core.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    spent.clear()
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    wall = time.perf_counter() - t
+    req = core.requests[rid]
+    acc = req.metrics.acceptance_lengths[-steps:]
+    core.abort_request(rid)
+    per_step = {k: round(1000 * v / steps, 4) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    timed_ms = sum(spent.values()) * 1000 / steps
+    return {
+        "steps": steps,
+        "step_ms": round(1000 * wall / steps, 4),
+        "phases_ms": per_step,
+        "untimed_ms": round(1000 * wall / steps - timed_ms, 4),
+        "mean_acceptance_length": round(sum(acc) / len(acc), 3),
+        "tokens_per_s": round(sum(acc) / wall, 1),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    res = {}
+    for name, drafter in (("spec", args.drafter), ("ar", None)):
+        llm = LLM(args.target, drafter, device=args.device, cuda_graphs=args.cuda_graphs, max_num_seqs=8,
+                  gpu_memory_utilization=0.3)
+        res[name] = time_phases(llm, args.prompt, args.steps)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        r = res[name]
+        print(f"== {name}: step {r['step_ms']:.3f} ms, {r['tokens_per_s']} tok/s, "
+              f"acceptance {r['mean_acceptance_length']}, untimed {r['untimed_ms']:.3f} ms")
+        for k, v in r["phases_ms"].items():
+            print(f"   {v:7.3f} ms  {k}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
