@@ -8,7 +8,8 @@ residual add and the V copy must match exactly. A norm's fp32 sum (in
 another order), exp / sqrt (other implementations) and FMA contraction
 may move an fp32 intermediate by an ulp, which two roundings later can
 move the output by up to two units in its last place, rarely. Checked
-there: at most two ulps anywhere and >= 99 % of the elements identical.
+there: at most two ulps anywhere (for RoPE outputs, ulps of the head's
+largest value) and >= 99 % of the elements identical.
 Then the whole target forward in bf16, fused against the references on
 the same GPU."""
 
@@ -42,11 +43,17 @@ def _modules():
     return fused, fused_triton
 
 
-def assert_same_bits(out: torch.Tensor, ref: torch.Tensor, exact: bool):
-    """Identical (``exact``), or at most two ulps apart and >= 99 % identical."""
+def assert_same_bits(out: torch.Tensor, ref: torch.Tensor, exact: bool, per_head: bool = False):
+    """Identical (``exact``), or at most two ulps apart and >= 99 % identical.
+    ``per_head``: ulps of the largest value in the head (last dim), since
+    RoPE mixes a head's values and cancellation makes small outputs carry
+    their inputs' absolute error."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     ulp = torch.finfo(ref.dtype).eps  # relative spacing at 1.0
-    scale = ref.float().abs().clamp_min(torch.finfo(ref.dtype).tiny)
+    scale = ref.float().abs()
+    if per_head:
+        scale = scale.amax(-1, keepdim=True)
+    scale = scale.clamp_min(torch.finfo(ref.dtype).tiny)
     diff = (out.float() - ref.float()).abs()
     assert (diff <= (0 if exact else 2.02) * ulp * scale).all(), f"max diff {diff.max().item():.3e}"
     same = (out == ref).float().mean().item()
@@ -92,7 +99,7 @@ def _check_qkv_rope(device, dtype, N, nq, nkv, D, norm, store):
     if not store:
         q, k = ft.qkv_rope(q_src, kv_src, nq, nkv, D, cos_sin, q_norm, k_norm, 1e-6)
         q_ref, k_ref = fused.qkv_rope(q_src, kv_src, nq, nkv, D, cos_sin, q_norm, k_norm, 1e-6)
-        assert_same_bits(k, k_ref, exact=False)
+        assert_same_bits(k, k_ref, exact=False, per_head=True)
     else:
         blocks, bs = -(-N // 16) + 3, 16
         cache = torch.randn(2, blocks, bs, nkv, D, generator=g).to(device, dtype)
@@ -103,10 +110,10 @@ def _check_qkv_rope(device, dtype, N, nq, nkv, D, norm, store):
         q_ref, _ = fused.qkv_rope(q_src, kv_src, nq, nkv, D, cos_sin, q_norm, k_norm, 1e-6,
                                   caches[1][0], caches[1][1], slots)
         assert none is None
-        assert_same_bits(caches[0][0], caches[1][0], exact=False)  # K, untouched rows too
+        assert_same_bits(caches[0][0], caches[1][0], exact=False, per_head=True)  # K, untouched rows too
         assert torch.equal(caches[0][1], caches[1][1])  # V: a copy
     if nq:
-        assert_same_bits(q, q_ref, exact=False)
+        assert_same_bits(q, q_ref, exact=False, per_head=True)
     else:
         assert q is None
 
@@ -179,9 +186,9 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
     q_ref, _ = fused.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, (cos, sin), qn, kn, 1e-6,
                               k_ref, v_ref, slots)
     y_ref, s_ref = fused.rms_norm(res, w, 1e-6, res)
-    for got, want in zip(outs, (y_ref, s_ref, q_ref, fused.silu_mul(res))):
-        assert_same_bits(got, want, exact=False)
-    assert_same_bits(k_cache, k_ref, exact=False)
+    for got, want, per_head in zip(outs, (y_ref, s_ref, q_ref, fused.silu_mul(res)), (False, False, True, False)):
+        assert_same_bits(got, want, exact=False, per_head=per_head)
+    assert_same_bits(k_cache, k_ref, exact=False, per_head=True)
     assert torch.equal(v_cache, v_ref)
 
 
