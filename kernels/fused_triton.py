@@ -128,6 +128,7 @@ def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm
     dev, dt = kv_src.device, kv_src.dtype
     cos, sin = (t.reshape(N, D) for t in cos_sin)
     assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and kv_src.stride(-1) == 1
+    assert not nq or (q_norm is None) == (k_norm is None), "q and k are normed together or not at all"
     q = torch.empty(N, nq, D, dtype=dt, device=dev) if nq else None
     store = k_cache is not None
     if store:
