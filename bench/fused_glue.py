@@ -1,0 +1,93 @@
+"""The fused layer glue (``kernels/fused_triton.py``) against its PyTorch
+references on the same model and GPU: batch-1 autoregressive decode with
+CUDA graphs, the references first, then the fused kernels, one run. Also
+prints the weight bytes read per token over the step time, against the
+device's copy bandwidth (measured in the same run).
+
+    python bench/fused_glue.py --target DIR --out fused.json
+    python bench/fused_glue.py --random-shape qwen3-8b --ckpt-dir /tmp/rc --out fused_8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specray import LLM, SamplingParams
+from specray.kernels import ops
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - t)
+
+
+def decode_step_s(llm: LLM, steps: int) -> float:
+    core = llm.engine
+    rid = core.add_request(list(range(100, 164)), SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    for _ in range(8):  # prefill + graph capture
+        core.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / steps
+    core.abort_request(rid)
+    return dt
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--target")
+    p.add_argument("--random-shape", help="write (once) and use a random Qwen3 target of this shape "
+                                          "(examples/scaling_sweep.py SHAPES)")
+    p.add_argument("--ckpt-dir", default="runs/random-checkpoints")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    target = args.target
+    if args.random_shape:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from scaling_sweep import random_checkpoints
+
+        target, _ = random_checkpoints(Path(args.ckpt_dir), args.random_shape)
+    bandwidth = copy_bandwidth()
+    res = {"target": target, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3)}
+    fused = ops._fused
+    for name, kernels in (("references", None), ("fused", fused)):
+        ops._fused = kernels  # graphs capture whichever ops are live at their first step
+        try:
+            llm = LLM(target, None, device="cuda", cuda_graphs=True, max_model_len=1024, max_num_seqs=4,
+                      gpu_memory_utilization=0.5)
+            step = decode_step_s(llm, args.steps)
+            weights = llm.engine.target.weight_bytes
+        finally:
+            ops._fused = fused
+        res[name] = {"step_ms": round(step * 1e3, 4), "tokens_per_s": round(1 / step, 1),
+                     "weight_GB": round(weights / 1e9, 3), "weights_TBps": round(weights / step / 1e12, 3),
+                     "of_copy_bandwidth": round(weights / step / bandwidth, 3)}
+        print(f"{name}: {res[name]}")
+        del llm
+        torch.cuda.empty_cache()
+    res["fused_speedup"] = round(res["references"]["step_ms"] / res["fused"]["step_ms"], 3)
+    print(f"fused / references: {res['fused_speedup']}x tokens/s; copy bandwidth {res['copy_bandwidth_TBps']} TB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
