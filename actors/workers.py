@@ -148,6 +148,8 @@ class RemoteDrafter:
 
     # Sent only the accepted context rows: the channel carries no padding.
     stores_whole_blocks = False
+    # The DraftBatch travels as host tensors (packed before sending).
+    packs_host_batch = True
 
     def __init__(self, channel, device):
         self.channel, self.device = channel, device

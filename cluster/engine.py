@@ -217,12 +217,17 @@ class EngineCore:
         # the request's computed length, the drafter the first block_size - 1.
         st_cpu = SamplingTensors.build(params, [d.request.seed for d in decode],
                                        [d.request.num_computed for d in decode], self.block_size)
+        # One copy to the device serves an in-process drafter and the
+        # verification (nothing is copied for an all-greedy batch); a
+        # drafter behind a channel packs the host tensors.
+        st_dev = st_cpu.to(self.device)
 
         drafts = None
         if self.drafter is not None and decode:
             lookup = self._lookup_drafts(decode)
             if not all(lookup):  # a step where every request has a lookup draft skips the drafter
-                draft_batch = self._draft_batch(decode, st_cpu)
+                draft_batch = self._draft_batch(decode, st_cpu if getattr(self.drafter, "packs_host_batch", False)
+                                                else st_dev)
                 self._sync()
                 t = time.perf_counter()
                 drafts = self.drafter.propose(draft_batch)
@@ -247,7 +252,7 @@ class EngineCore:
         self._sync()
         stats.verify = time.perf_counter() - t
 
-        results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_cpu, batch.uniform_rows)
+        results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch.uniform_rows)
         outputs = self._apply(decode, plan.prefill, results, batch)
         stats.total = time.perf_counter() - t0
         self.last_step = stats
@@ -362,7 +367,7 @@ class EngineCore:
         logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
 
-    def _accept(self, decode, prefill, logits, logit_rows, drafts, st_cpu, uniform_rows: int = 0):
+    def _accept(self, decode, prefill, logits, logit_rows, drafts, st, uniform_rows: int = 0):
         """Accepted counts, emitted bonus tokens and first tokens of
         finished prefills, brought to the host in one transfer."""
         dev = logits.device
@@ -371,7 +376,6 @@ class EngineCore:
         S = len(decode)
         G = verify_rows.shape[1] - 1 if S else 0
         if S:
-            st = st_cpu.to(dev)
             num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
             if drafts is not None:
                 draft_tokens = drafts.tokens[:, :G].to(dev)
