@@ -232,10 +232,14 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int 
     temp, top_p, top_k = expand(st.temperature), expand(st.top_p), expand(st.top_k)
     greedy = temp == 0
     scores = logits.float() / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
-    if not st.any_filter:
-        probs = scores.softmax(-1)
-    else:
-        probs = _top_k_top_p(scores, top_k, top_p)
+    probs = scores.softmax(-1)
+    if st.any_filter:
+        # Only the rows that filter take the sorted path: its float32
+        # cumulative sum can reach top_p = 1 before the tail and drop it, and
+        # a row's distribution must not depend on what its batch mates ask.
+        V = scores.shape[-1]
+        filters = ((top_k > 0) & (top_k < V)) | (top_p < 1)
+        probs = torch.where(filters[:, None], _top_k_top_p(scores, top_k, top_p), probs)
     # Unconditional: testing greedy.any() would wait for the device.
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)

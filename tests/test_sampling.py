@@ -101,10 +101,22 @@ def test_unfiltered_rows_skip_the_sort_and_keep_the_softmax():
     want = (logits / temps).softmax(-1)
     want[2] = torch.nn.functional.one_hot(logits[2].argmax(), 50).float()
     torch.testing.assert_close(probs, want)
-    # The sorting path agrees where its filter keeps (almost) everything.
+    # In a batch that filters, the rows that do not keep exactly the plain
+    # softmax: a row's distribution does not depend on its batch mates (the
+    # sorted path's float32 cumulative sum could drop a tail at top_p = 1).
     sorted_path = SamplingTensors.build(params, [0, 1, 2, 3], [0] * 4, 1)
     sorted_path.any_filter = True
-    torch.testing.assert_close(filtered_probs(logits, sorted_path), want, atol=1e-6, rtol=0)
+    assert torch.equal(filtered_probs(logits, sorted_path), probs)
+    mixed = SamplingTensors.build(params + [SamplingParams(top_p=0.5), SamplingParams(top_k=3)], list(range(6)),
+                                  [0] * 6, 1)
+    assert mixed.any_filter
+    mixed_logits = torch.cat([logits, torch.randn(2, 50, generator=g) * 3])
+    mixed_probs = filtered_probs(mixed_logits, mixed)
+    assert torch.equal(mixed_probs[:4], probs)
+    assert (mixed_probs[4:] > 0).sum(-1).tolist()[1] == 3 and (mixed_probs[4] > 0).sum() < 50
+    # top_k at or above the vocabulary filters nothing.
+    huge = SamplingTensors.build([SamplingParams(top_k=50), SamplingParams(top_k=2**31 - 1)], [0, 1], [0, 0], 1)
+    assert torch.equal(filtered_probs(logits[:2] * 2, huge), (logits[:2] * 2).softmax(-1))
     assert SamplingTensors.build([SamplingParams(top_p=0.9)], [0], [0], 1).any_filter
     assert SamplingTensors.build([SamplingParams(top_k=5)], [0], [0], 1).any_filter
     assert not SamplingTensors.build([SamplingParams(temperature=0.0, top_k=5)], [0], [0], 1).any_filter
