@@ -216,7 +216,8 @@ class EngineCore:
         # A verify block reads the uniforms of its block_size positions after
         # the request's computed length, the drafter the first block_size - 1.
         st_cpu = SamplingTensors.build(params, [d.request.seed for d in decode],
-                                       [d.request.num_computed for d in decode], self.block_size)
+                                       [d.request.num_computed for d in decode], self.block_size,
+                                       vocab_size=self.target_spec.vocab_size)
         # One copy to the device serves an in-process drafter and the
         # verification (nothing is copied for an all-greedy batch); a
         # drafter behind a channel packs the host tensors.
@@ -392,7 +393,8 @@ class EngineCore:
         sampling = [p for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
         if sampling:
             ps = [p.request.params for p in sampling]
-            st = SamplingTensors.build(ps, [p.request.seed for p in sampling], [p.end - 1 for p in sampling], 1, dev)
+            st = SamplingTensors.build(ps, [p.request.seed for p in sampling], [p.end - 1 for p in sampling], 1, dev,
+                                       vocab_size=self.target_spec.vocab_size)
             no_drafts = torch.zeros(len(sampling), 0, dtype=torch.long, device=dev)
             zeros = torch.zeros(len(sampling), dtype=torch.long, device=dev)
             first = verify(logits[host_to_device(sample_rows, dev)][:, None], no_drafts, zeros, st)

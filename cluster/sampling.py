@@ -124,11 +124,13 @@ class SamplingTensors:
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], starts: list[int], width: int,
-              device="cpu") -> "SamplingTensors":
+              device="cpu", vocab_size: int | None = None) -> "SamplingTensors":
         """Settings of ``params``, and the uniforms of positions ``start + 1
         .. start + width`` of each row (a step that verifies ``width - 1``
         drafts reads no others). An all-greedy batch stays on the host:
-        nothing reads its tensors."""
+        nothing reads its tensors. With ``vocab_size``, a top-k that keeps
+        the whole vocabulary counts as no filter."""
+        max_k = vocab_size if vocab_size is not None else float("inf")
         all_greedy = all(p.greedy for p in params)
         st = SamplingTensors(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
@@ -138,7 +140,7 @@ class SamplingTensors:
             uniforms=torch.zeros(3, len(seeds), 0, dtype=torch.float64) if all_greedy
             else host_uniforms(seeds, starts, width),
             all_greedy=all_greedy,
-            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+            any_filter=any(not p.greedy and (0 < p.top_k < max_k or p.top_p < 1) for p in params),
         )
         return st.to(device)
 

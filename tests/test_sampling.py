@@ -114,9 +114,14 @@ def test_unfiltered_rows_skip_the_sort_and_keep_the_softmax():
     mixed_probs = filtered_probs(mixed_logits, mixed)
     assert torch.equal(mixed_probs[:4], probs)
     assert (mixed_probs[4:] > 0).sum(-1).tolist()[1] == 3 and (mixed_probs[4] > 0).sum() < 50
-    # top_k at or above the vocabulary filters nothing.
-    huge = SamplingTensors.build([SamplingParams(top_k=50), SamplingParams(top_k=2**31 - 1)], [0, 1], [0, 0], 1)
+    # top_k at or above the vocabulary filters nothing; knowing the
+    # vocabulary, the batch skips the sort.
+    wide = [SamplingParams(top_k=50), SamplingParams(top_k=2**31 - 1)]
+    huge = SamplingTensors.build(wide, [0, 1], [0, 0], 1)
+    assert huge.any_filter
     assert torch.equal(filtered_probs(logits[:2] * 2, huge), (logits[:2] * 2).softmax(-1))
+    assert not SamplingTensors.build(wide, [0, 1], [0, 0], 1, vocab_size=50).any_filter
+    assert SamplingTensors.build([SamplingParams(top_k=49)], [0], [0], 1, vocab_size=50).any_filter
     assert SamplingTensors.build([SamplingParams(top_p=0.9)], [0], [0], 1).any_filter
     assert SamplingTensors.build([SamplingParams(top_k=5)], [0], [0], 1).any_filter
     assert not SamplingTensors.build([SamplingParams(temperature=0.0, top_k=5)], [0], [0], 1).any_filter
