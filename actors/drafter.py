@@ -96,6 +96,9 @@ class DrafterWorker:
 
         self.context_graphs = DecodeGraphs(store, ctx, dict.fromkeys(ctx, B), dict.fromkeys(ctx, 0), max_seqs, dev)
 
+    # The model and its context cache live in this process (step_graph.py).
+    local_model = True
+
     @property
     def stores_whole_blocks(self) -> bool:
         """Takes the context of a graphed decode step as whole verify blocks

@@ -87,11 +87,16 @@ class DecodeGraphs:
     def _capture(self, size: int) -> None:
         # Warm up on a side stream (Triton compiles, allocator settles), then
         # capture; all sizes share one memory pool.
+        # A function that updates its own buffers (the step graph's next
+        # inputs) gets them back as they were before the warm-up runs.
+        saved = {name: buf.clone() for name, buf in self.buffers.items()}
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.fn(size)
+            for name, buf in self.buffers.items():
+                buf.copy_(saved[name])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -123,6 +123,12 @@ class TargetWorker:
         self.graph_q_len = q_len
 
     @property
+    def local_model(self) -> bool:
+        """The whole model and its cache live in this process (TP 1), so a
+        step graph (step_graph.py) may run it directly."""
+        return self.tp.size == 1
+
+    @property
     def is_driver(self) -> bool:
         return self.tp.rank == 0
 

@@ -230,6 +230,10 @@ class TPDriver:
     def hidden_rows(self, rows):
         return self.worker.hidden_rows(rows)
 
+    @property
+    def local_model(self) -> bool:
+        return self.worker.local_model
+
     def stop(self) -> None:
         if self.group is not None and self.worker.tp.size > 1:
             broadcast_message(CMD_STOP, [], self.group, self.device)

@@ -71,6 +71,7 @@ def main(argv=None):
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
@@ -79,7 +80,7 @@ def main(argv=None):
     res = {"temperature": args.temperature}
     for name, drafter in (("spec", args.drafter), ("ar", None)):
         llm = LLM(args.target, drafter, device="cuda", cuda_graphs=args.cuda_graphs, max_num_seqs=8,
-                  gpu_memory_utilization=0.3)
+                  async_scheduling=args.async_scheduling, gpu_memory_utilization=0.3)
         res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature)
         del llm
         torch.cuda.empty_cache()

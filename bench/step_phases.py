@@ -2,7 +2,8 @@
 phase of ``EngineCore.step`` timed with ``perf_counter`` and no added
 synchronisation, so a phase that launches GPU work costs its launch only,
 and the wait for the GPU shows up where the step's one sync is (``accept``,
-which reads the results back). Batch 1, one prompt, speculative engine and
+which reads the results back; with ``--async-scheduling``, the apply of the
+step before, after the next one is launched). Batch 1, one prompt, speculative engine and
 the same engine without a drafter.
 
     python bench/step_phases.py --target DIR --drafter DIR --cuda-graphs --out phases.json
@@ -19,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+import specray.engine as engine_module
 from specray import LLM, SamplingParams
 
 PHASES = {  # EngineCore method -> phase name
@@ -27,7 +29,9 @@ PHASES = {  # EngineCore method -> phase name
     "_target_batch": "target batch",
     "_accept": "accept (+ wait for the GPU)",
     "_apply": "apply (+ context store launch)",
+    "_apply_inflight": "apply an async step (+ wait for the GPU)",
 }
+LAUNCH = "launch an async step (one graph replay)"
 
 
 def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
@@ -49,6 +53,8 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
     if core.drafter is not None:
         core.drafter.propose = timed("propose (launch + draft argmax)", core.drafter.propose)
     core.target.execute = timed("target execute (launch)", core.target.execute)
+    launch = engine_module.launch_decode
+    engine_module.launch_decode = timed(LAUNCH, launch)
 
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     rid = core.add_request(prompt, params)
@@ -64,6 +70,7 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
     req = core.requests[rid]
     acc = req.metrics.acceptance_lengths[-steps:]
     core.abort_request(rid)
+    engine_module.launch_decode = launch
     per_step = {k: round(1000 * v / steps, 4) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     timed_ms = sum(spent.values()) * 1000 / steps
     return {
@@ -82,6 +89,7 @@ def main(argv=None):
     p.add_argument("--drafter", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
     p.add_argument("--out", default="")
@@ -89,6 +97,7 @@ def main(argv=None):
     res = {}
     for name, drafter in (("spec", args.drafter), ("ar", None)):
         llm = LLM(args.target, drafter, device=args.device, cuda_graphs=args.cuda_graphs, max_num_seqs=8,
+                  async_scheduling=args.async_scheduling,
                   gpu_memory_utilization=0.3)
         res[name] = time_phases(llm, args.prompt, args.steps)
         del llm

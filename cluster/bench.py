@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch greedy decode steps from the previous step's device results (both engines)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Two engines share the device: each takes a part of its memory.
     mem = dict(max_model_len=args.max_model_len or 4096, gpu_memory_utilization=0.4, cuda_graphs=args.cuda_graphs,
-               max_num_seqs=max(8, args.batch_size))
+               async_scheduling=args.async_scheduling, max_num_seqs=max(8, args.batch_size))
     spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.generate(prompts[:1], warm)
         ar.generate(prompts[:1], warm)
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
-               "cuda_graphs": args.cuda_graphs, "prompt_lookup_min": args.prompt_lookup_min,
+               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
                "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}
     for temp in args.temperatures:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i)

@@ -328,6 +328,12 @@ class EngineConfig:
     # captured per padded batch size (TP 1). Off CUDA this runs the same
     # padded static-shaped path eagerly, which is how CPU tests cover it.
     cuda_graphs: bool = False
+    # Launch a decode-only greedy step as one graph from the previous step's
+    # results on the device, before the host reads them (async_decode.py,
+    # step_graph.py); such steps use no prompt-lookup drafts. Needs
+    # cuda_graphs, a target at TP 1 and the drafter in its process. Off CUDA
+    # it runs the same path synchronously, which is how CPU tests cover it.
+    async_scheduling: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -355,6 +361,8 @@ class EngineConfig:
         if self.prompt_lookup_min < 0 or (self.prompt_lookup_min and self.prompt_lookup_max < self.prompt_lookup_min):
             raise ConfigError(f"prompt lookup needs 0 (off) or 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.async_scheduling and not self.cuda_graphs:
+            raise ConfigError("async_scheduling replays whole decode steps from graphs: it needs cuda_graphs")
         if self.num_speculative_tokens is not None and int(self.num_speculative_tokens) < 1:
             # A drafter that drafts nothing would still run every step: run without one instead.
             raise ConfigError(f"num_speculative_tokens must be at least 1 (or unset), got "

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import BlockAllocator, block_table_tensor
+from specray.async_decode import InflightStep, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import (
     detokenize_step,
@@ -123,6 +124,10 @@ class EngineCore:
         self._encoder_lock = threading.Lock()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len - 1)
         self.last_step = StepStats()
+        self._inflight: InflightStep | None = None  # an asynchronous step not yet applied
+        self._step_graphs = None
+        self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
+        self.num_async_steps = 0
 
     # ----------------------------------------------------------- admission
     def add_request(
@@ -206,7 +211,23 @@ class EngineCore:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        if self._inflight is None:
+            plan = self.scheduler.schedule()
+            if not self._async_eligible(plan):
+                return self._sync_step(plan, t0)
+            self._inflight = launch_decode(self, [d.request for d in plan.decode], chained=False)
+        # Enqueue the next step before reading this one's results, so the GPU
+        # runs it while the host applies them (async_decode.py).
+        prev = self._inflight
+        self._inflight = launch_decode(self, prev.requests, chained=True) if self._can_chain(prev) else None
+        outputs = self._apply_inflight(prev, chained=self._inflight is not None)
+        if self._inflight is not None and all(r.finished for r in self._inflight.requests):
+            self._inflight = None  # its results belong to no one
+        self.num_async_steps += 1
+        self.last_step = StepStats(len(prev.requests), 0, time.perf_counter() - t0)
+        return outputs
+
+    def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
         stats = StepStats(len(plan.decode), sum(p.end - p.start for p in plan.prefill))
         if plan.empty:
             self.last_step = stats
@@ -257,6 +278,69 @@ class EngineCore:
         outputs = self._apply(decode, plan.prefill, results, batch)
         stats.total = time.perf_counter() - t0
         self.last_step = stats
+        return outputs
+
+    # ------------------------------------------------------ asynchronous steps
+    def _async_eligible(self, plan) -> bool:
+        """A decode-only step of full greedy blocks, run by workers that take
+        device tensors, may start a chain of asynchronous steps."""
+        if not self.config.async_scheduling or self.config.sync_timing or plan.prefill or plan.preempted:
+            return False
+        if not plan.decode or any(d.block_len != self.block_size or not d.request.params.greedy
+                                  for d in plan.decode):
+            return False
+        workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
+        return all(getattr(w, "local_model", False) for w in workers)
+
+    def step_graphs(self):
+        """The whole-step graphs of the in-process target and drafter."""
+        if self._step_graphs is None:
+            from specray.actors.step_graph import build_step_graphs
+
+            target = getattr(self.target, "worker", self.target)
+            self._step_graphs = build_step_graphs(
+                target, self.drafter, self.block_size, self.config.max_num_seqs, self.config.kv_block_size,
+                self.drafter_spec.mask_token_id if self.drafter_spec else None,
+            )
+        return self._step_graphs
+
+    def _can_chain(self, prev: InflightStep) -> bool:
+        """Whether the step after ``prev`` may be launched before ``prev``'s
+        results are applied: the same rows, none finished, none near a
+        length limit, no request waiting that could be admitted, and room to
+        reserve every row's blocks two verify blocks ahead."""
+        sched, B = self.scheduler, self.block_size
+        if len(sched.running) != len(prev.requests) or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+            return False
+        for r in prev.requests:
+            # The host's view lags ``prev``: it may advance by up to B, and
+            # its next block needs B rows more.
+            if r.finished or r.num_computed + 2 * B > self.max_model_len:
+                return False
+            if r.params.max_tokens - len(r.output_token_ids) <= 1:
+                return False  # ``prev`` emits at least one token, the last
+        return all(sched.reserve(r, r.num_computed + 2 * B) for r in prev.requests)
+
+    def _apply_inflight(self, step: InflightStep, chained: bool) -> list[RequestOutput]:
+        """Apply an asynchronous step's tokens. With the next step in flight
+        its blocks stay reserved; rows of requests that finished meanwhile
+        are dropped."""
+        n_acc, bonus, drafts = step.read()
+        G = self.block_size - 1
+        outputs = []
+        for s, r in enumerate(step.requests):
+            if r.finished:
+                continue
+            a = n_acc[s]
+            produced = self._append(r, drafts[s][:a] + [bonus[s]])
+            r.metrics.record_step(G, min(a, produced), produced)
+            if not r.finished:
+                computed = r.num_computed + a + 1
+                self.scheduler.commit(r, computed, keep=computed + self.block_size if chained else computed)
+            outputs.append(self._output(r))
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
         return outputs
 
     def _sync(self) -> None:

@@ -102,7 +102,9 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------- planning
-    def _reserve(self, req: Request, num_positions: int) -> bool:
+    def reserve(self, req: Request, num_positions: int) -> bool:
+        """Room for ``num_positions`` in both pools, or False (and nothing
+        taken)."""
         t, d = req.target_blocks, req.draft_blocks
         if not t.can_reserve(num_positions) or (d is not None and not d.can_reserve(num_positions)):
             return False
@@ -132,7 +134,7 @@ class Scheduler:
             block_len = min(self.block_size, self.emit_budget(req) + 1)
             if block_len > budget:
                 break
-            while not self._reserve(req, req.num_computed + block_len):
+            while not self.reserve(req, req.num_computed + block_len):
                 if self._preempt_last(plan) is req:
                     break
             if req.status != Status.RUNNING:
@@ -171,13 +173,15 @@ class Scheduler:
         headroom = min(end + self.block_size, self.max_model_len)
         if not t.can_reserve(headroom) or (d is not None and not d.can_reserve(headroom)):
             return None
-        self._reserve(req, end)
+        self.reserve(req, end)
         return PrefillItem(req, start, end)
 
-    def commit(self, req: Request, num_computed: int) -> None:
+    def commit(self, req: Request, num_computed: int, keep: int | None = None) -> None:
         """After a step: ``num_computed`` positions are valid; roll back the
-        rest (rejected draft rows)."""
+        rest (rejected draft rows), keeping room for ``keep`` positions (a
+        step still in flight writes up to there)."""
         req.num_computed = num_computed
-        req.target_blocks.trim(num_computed)
+        keep = num_computed if keep is None else max(keep, num_computed)
+        req.target_blocks.trim(keep)
         if req.draft_blocks is not None:
-            req.draft_blocks.trim(num_computed)
+            req.draft_blocks.trim(keep)

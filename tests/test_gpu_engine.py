@@ -71,3 +71,20 @@ def test_gpu_fp32_seeded_sampling_matches_cpu(ckpt, graphs):
         cpu = generate(ckpt, drafter, "cpu", "float32", sampled)
         gpu = generate(ckpt, drafter, "cuda", "float32", sampled, cuda_graphs=graphs)
         assert gpu == cpu, f"drafter={drafter}"
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_gpu_async_steps_match_cpu(ckpt, drafter):
+    """Steps launched from the previous step's device results (pinned
+    copies, events, blocks reserved ahead) give the CPU's tokens, and the
+    drafter the CPU's context (same acceptance lengths, step by step)."""
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    kw = dict(cuda_graphs=True, async_scheduling=True)
+    llm = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, **kw)
+    gpu = llm.generate(PROMPTS, greedy)
+    assert llm.engine.num_async_steps > 0
+    assert [o.token_ids for o in gpu] == generate(ckpt, drafter, "cpu", "float32", greedy)
+    if drafter:
+        cpu = acceptance(ckpt, "cpu", greedy, **kw)
+        assert [o.metrics.acceptance_lengths for o in gpu] == cpu

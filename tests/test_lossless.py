@@ -62,12 +62,13 @@ class OracleDrafter:
         return DraftOutput(tokens, out.draft_idx, out.draft_q)
 
 
-@pytest.mark.parametrize("mode", ["ar", "spec", "oracle", "oracle-tight-kv", "oracle-static-decode", "ar-static-decode"])
+@pytest.mark.parametrize("mode", ["ar", "spec", "oracle", "oracle-tight-kv", "oracle-static-decode", "ar-static-decode",
+                                  "spec-async", "ar-async", "spec-tight-kv-async"])
 def test_staggered_batch_equals_hf_greedy(models, mode):
     root, hf = models
     prompts, max_tokens = prompts_and_lengths()
     truth = {str(i): hf_greedy(hf, p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))}
-    tight = mode == "oracle-tight-kv"
+    tight = "tight-kv" in mode
     # *-static-decode: the padded, static-shaped decode path that CUDA graphs
     # replay on a GPU (run eagerly here).
     cfg = EngineConfig(
@@ -77,7 +78,8 @@ def test_staggered_batch_equals_hf_greedy(models, mode):
         num_kv_blocks=40 if tight else 400,
         max_model_len=128,
         max_num_batched_tokens=64,
-        cuda_graphs=mode.endswith("static-decode"),
+        cuda_graphs=mode.endswith(("static-decode", "async")),
+        async_scheduling=mode.endswith("async"),
         max_num_seqs=6,
     )
     engine = build_engine(cfg)
@@ -108,16 +110,21 @@ def test_staggered_batch_equals_hf_greedy(models, mode):
         assert max(lengths) == 8 and len(set(lengths)) >= 5, sorted(set(lengths))
     if tight:
         assert sum(o.metrics.num_preemptions for o in outs.values()) > 0
+    if mode.endswith("async"):
+        assert engine.num_async_steps > steps // 3, (engine.num_async_steps, steps)
 
 
 @pytest.mark.parametrize(
-    "vocab,seed,stop,static",
-    [(24, 2, None, False), (48, 2, None, False), (48, 2, "first-output", False), (48, 2, None, True)],
+    "vocab,seed,stop,static,async_",
+    [(24, 2, None, False, False), (48, 2, None, False, False), (48, 2, "first-output", False, False),
+     (48, 2, None, True, False), (24, 2, None, True, True), (48, 2, "first-output", True, True)],
 )
-def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop, static):
+def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop, static, async_):
     """Step by step, the same accepted lengths as the authors' loop; with
     ``static``, through the padded layout CUDA graphs replay (whole blocks
-    of context stored, rejected rows into the reserved slot)."""
+    of context stored, rejected rows into the reserved slot); with
+    ``async_``, each step launched from the previous one's device results
+    (async_decode.py)."""
     import dflash.model as dm
 
     dm._cuda_time = time.perf_counter  # the reference times with cuda.synchronize
@@ -134,8 +141,11 @@ def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop, static)
     from specray import LLM
 
     # The reference drafts with the drafter only: so does this engine.
-    llm = LLM(tmp_path / "t", tmp_path / "d", max_model_len=256, cuda_graphs=static, prompt_lookup_min=0)
+    llm = LLM(tmp_path / "t", tmp_path / "d", max_model_len=256, cuda_graphs=static, prompt_lookup_min=0,
+              async_scheduling=async_)
     out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop_token_ids=stop_ids))[0]
     assert out.token_ids == r.output_ids[0, len(prompt):].tolist()
     assert out.metrics.acceptance_lengths == r.acceptance_lengths
     assert max(r.acceptance_lengths) > 1
+    # Far from any length limit, every decode step ran asynchronously.
+    assert llm.engine.num_async_steps == (len(r.acceptance_lengths) if async_ else 0)

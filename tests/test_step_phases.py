@@ -27,3 +27,17 @@ def test_phases_of_a_step(tmp_path):
         assert (phases & expect) if drafter else not (phases & {"lookup", "draft batch"})
         assert r["step_ms"] > 0 and r["untimed_ms"] >= 0 and r["mean_acceptance_length"] >= 1
         assert sum(r["phases_ms"].values()) <= r["step_ms"]
+
+
+def test_phases_of_an_async_step(tmp_path):
+    hf = make_target(tmp_path / "t", seed=4)
+    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
+    make_drafter(tmp_path / "d", hf.config)
+    llm = LLM(tmp_path / "t", tmp_path / "d", cuda_graphs=True, async_scheduling=True, max_model_len=256,
+              prompt_lookup_min=0)
+    r = step_phases.time_phases(llm, "The capital of France is", steps=6)
+    phases = set(r["phases_ms"])
+    assert {step_phases.LAUNCH, "apply an async step (+ wait for the GPU)"} <= phases
+    # No synchronous step among the six: the graph runs the models.
+    assert not phases & {"accept (+ wait for the GPU)", "target execute (launch)", "propose (launch + draft argmax)"}
+    assert r["untimed_ms"] >= 0 and sum(r["phases_ms"].values()) <= r["step_ms"]

@@ -1,0 +1,90 @@
+"""One CUDA graph for a whole greedy decode step of full verify blocks:
+drafter propose, target verify, acceptance, drafter context store, and the
+next step's inputs, with the target and the drafter in this process.
+
+Each replay reads every row's block start and last token from its static
+buffers and leaves the next step's there (``start + num_accepted + 1``, the
+bonus token), so steps chain on the device with nothing from the host but
+the block tables (blocks are reserved ahead of the rows). Launched as
+separate pieces (three graphs and ~40 small kernels for positions, slots,
+acceptance), such a step cost the host about as long as the GPU took to run
+it; as one graph it is one launch.
+
+The accepted rows' context is stored at the end of the same replay: the
+acceptance counts are known on the device by then, and a rejected row's
+slot becomes the reserved slot 0, as in a synchronous graphed step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray.actors.graphs import DecodeGraphs
+from specray.plan import AttentionMetadata
+from specray.sampling import SamplingTensors, verify
+
+
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, kv_block_size: int) -> torch.Tensor:
+    """Cache slot of each position ``[S, n]`` through block tables ``[S, W]``."""
+    blocks = tables.gather(1, torch.div(positions, kv_block_size, rounding_mode="floor")).long()
+    return blocks * kv_block_size + positions % kv_block_size
+
+
+def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
+                      mask_token_id: int | None) -> DecodeGraphs:
+    """``DecodeGraphs`` of the whole step for ``target`` (a TargetWorker,
+    TP 1) and ``drafter`` (a DrafterWorker or None). Inputs: ``start`` and
+    ``last`` (a first step only), ``real`` (1 for the batch's rows),
+    ``target_tables`` / ``draft_tables`` ``[S, W]``. Output: ``[S, B + 1]``
+    rows of (num_accepted, bonus, B - 1 drafts)."""
+    dev, B, G = target.device, block_size, block_size - 1
+    width = -(-(target.max_model_len + 2 * B) // kv_block_size)
+    bufs = {
+        "start": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
+        "last": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
+        "real": torch.zeros(max_seqs, dtype=torch.bool, device=dev),
+        "target_tables": torch.zeros(max_seqs, width, dtype=torch.int32, device=dev),
+    }
+    if drafter is not None:
+        bufs["draft_tables"] = torch.zeros(max_seqs, width, dtype=torch.int32, device=dev)
+    # Padding rows: block 0, positions from 0, their state reset every step.
+    pad = dict.fromkeys(bufs, 0)
+    rows_arange = torch.arange(B, device=dev)
+    all_rows = torch.arange(max_seqs * B, device=dev)
+    query_start_loc = torch.arange(0, max_seqs * B + 1, B, dtype=torch.int64, device=dev)
+    greedy = SamplingTensors(temperature=torch.zeros(0), top_p=torch.zeros(0), top_k=torch.zeros(0, dtype=torch.int64),
+                             uniforms=torch.zeros(3, 0, 0, dtype=torch.float64), all_greedy=True)
+    num_drafts = torch.full((max_seqs,), G, dtype=torch.int64, device=dev)
+    full_blocks = torch.full((max_seqs,), B, dtype=torch.int64, device=dev)
+    taps = target.tap_layer_ids if drafter is not None else ()
+
+    def step(n: int):
+        start, last, real = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n]
+        tables = bufs["target_tables"][:n]
+        positions = start[:, None] + rows_arange  # [n, B]
+        if drafter is not None:
+            d_tables = bufs["draft_tables"][:n]
+            block_ids = torch.cat([last[:, None], torch.full((n, G), mask_token_id, dtype=torch.int64, device=dev)], 1)
+            hidden = drafter.model.propose_hidden(block_ids, start, full_blocks[:n], d_tables,
+                                                  drafter.max_model_len, drafter.kv_cache)
+            drafts = drafter.model.logits(hidden[:, 1:]).argmax(-1)  # [n, G]
+            input_ids = torch.cat([last[:, None], drafts], 1)
+        else:
+            drafts = torch.zeros(n, 0, dtype=torch.int64, device=dev)
+            input_ids = last[:, None]
+        attn = AttentionMetadata(positions.reshape(-1), slots_of(tables, positions, kv_block_size).reshape(-1),
+                                 query_start_loc[: n + 1], start + B, tables, B, target.max_model_len + 2 * B)
+        logits, hidden_tapped = target.model.forward(input_ids.reshape(-1), attn, target.kv_cache,
+                                                     logits_indices=all_rows[: n * B], tap_layer_ids=taps)
+        res = verify(logits.view(n, B, -1), drafts, num_drafts[:n], greedy)
+        num_accepted, bonus = res.num_accepted.long(), res.bonus.long()
+        if drafter is not None:
+            keep = rows_arange[None] <= num_accepted[:, None]  # the block's last token + accepted drafts
+            slots = torch.where(keep, slots_of(d_tables, positions, kv_block_size), 0)
+            drafter.model.store_context(hidden_tapped, positions.reshape(-1), slots.reshape(-1), drafter.kv_cache)
+        out = torch.cat([num_accepted[:, None], bonus[:, None], drafts], 1)
+        start.copy_(torch.where(real, start + num_accepted + 1, 0))
+        last.copy_(torch.where(real, bonus, 0))
+        return (out,)
+
+    return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), pad, max_seqs, dev)

@@ -1,0 +1,121 @@
+"""Asynchronous decode steps (async_decode.py) emit exactly what synchronous
+steps emit, through everything that ends or changes a row while the next
+step is already in flight: stop tokens, stop strings, max_tokens, the
+model's length limit, an abort, a sampled request joining the batch, and
+admissions."""
+
+import pytest
+import torch
+
+from factories import add_tokenizer, make_drafter, make_target
+from specray.config import EngineConfig
+from specray.llm import build_engine
+from specray.sampling import SamplingParams
+
+MAX_MODEL_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    hf = make_target(root / "t", vocab_size=320, seed=4)
+    add_tokenizer(root / "t", 320)
+    make_drafter(root / "d", hf.config, seed=14, block_size=6)
+    return root
+
+
+def engine(root, drafter: bool, async_: bool):
+    return build_engine(EngineConfig(
+        target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4,
+        num_kv_blocks=300, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, cuda_graphs=True,
+        async_scheduling=async_,
+    ))
+
+
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    lens = [6, 11, 4, 70, 9, 14, 5]
+    return [torch.randint(2, 319, (n,), generator=g).tolist() for n in lens]
+
+
+def run(eng, prompts, params, joins=(), abort=None):
+    """Step until done; request ``i`` in ``joins`` (index: step) joins at
+    that step; ``abort`` = (request id, step) aborts it there. Returns the
+    final outputs."""
+    joins = dict(joins)
+    outs, step = {}, 0
+    for i in range(len(prompts)):
+        if i not in joins:
+            eng.add_request(prompts[i], params[i], request_id=str(i))
+    while eng.has_unfinished() or step <= max(joins.values(), default=0):
+        for i, at in joins.items():
+            if at == step:
+                eng.add_request(prompts[i], params[i], request_id=str(i))
+        if abort and step == abort[1]:
+            outs[abort[0]] = eng.abort_request(abort[0])
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        step += 1
+        assert step < 1000
+    return outs
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_async_steps_equal_sync_steps(models, drafter):
+    ps = prompts()
+    greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, **kw)  # noqa: E731
+    # Free continuations, to pick stops that end requests mid-step.
+    free = run(engine(models, drafter, False), ps, [greedy(40, ignore_eos=True)] * len(ps))
+    stop_tok = free["1"].token_ids[9]
+    stop_str = free["2"].text[len(free["2"].text) // 3:][:3]
+    assert stop_str.strip(), free["2"].text
+    params = [
+        greedy(40, ignore_eos=True),
+        greedy(40, stop_token_ids=[stop_tok], ignore_eos=True),
+        greedy(40, stop=stop_str, ignore_eos=True),
+        greedy(100, ignore_eos=True),  # 70-token prompt: ends at max_model_len
+        SamplingParams(max_tokens=15, temperature=1.0, seed=5),  # joins late; no async step while it runs
+        greedy(33, ignore_eos=True),  # aborted
+        greedy(27, ignore_eos=True),  # joins late
+    ]
+    joins, abort = {4: 30, 6: 20}, ("5", 25)
+    sync = run(engine(models, drafter, False), ps, params, joins, abort)
+    eng = engine(models, drafter, True)
+    # Rows applied after their request had finished, with the next step in flight.
+    dropped = []
+    apply = eng._apply_inflight
+
+    def counting_apply(step, chained):
+        dropped.extend(r.request_id for r in step.requests if r.finished)
+        return apply(step, chained)
+
+    eng._apply_inflight = counting_apply
+    got = run(eng, ps, params, joins, abort)
+    assert eng.num_async_steps > 10
+    assert {"1", "2", "5"} <= set(dropped), dropped
+    for rid in map(str, range(len(ps))):
+        if rid == "5":
+            assert got[rid].finish_reason == "abort"
+            assert got[rid].token_ids == sync[rid].token_ids[: len(got[rid].token_ids)]
+            continue
+        assert got[rid].token_ids == sync[rid].token_ids, rid
+        assert (got[rid].text, got[rid].finish_reason, got[rid].stop_reason) == \
+            (sync[rid].text, sync[rid].finish_reason, sync[rid].stop_reason), rid
+    assert sync["1"].stop_reason == stop_tok and sync["2"].stop_reason == stop_str
+    assert sync["3"].finish_reason == "length" and len(sync["3"].token_ids) == MAX_MODEL_LEN - 70
+    sched = eng.scheduler
+    assert sched.target_pool.num_free == sched.target_pool.capacity
+    if drafter:
+        assert sched.draft_pool.num_free == sched.draft_pool.capacity
+        # Acceptance of the async engine's steps is recorded like the sync one's.
+        assert sum(len(o.metrics.acceptance_lengths) for o in got.values()) > 0
+
+
+def test_sampled_batch_never_runs_async(models):
+    eng = engine(models, True, True)
+    for i, p in enumerate(prompts()[:3]):
+        eng.add_request(p, SamplingParams(max_tokens=12, temperature=0.8, seed=i))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_async_steps == 0
