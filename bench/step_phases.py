@@ -67,12 +67,23 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
     for _ in range(steps):
         core.step()
     wall = time.perf_counter() - t
+    timed_steps = dict(spent)  # what follows is not part of the timed steps
     req = core.requests[rid]
     acc = req.metrics.acceptance_lengths[-steps:]
     core.abort_request(rid)
     engine_module.launch_decode = launch
-    per_step = {k: round(1000 * v / steps, 4) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
-    timed_ms = sum(spent.values()) * 1000 / steps
+    # A request's fixed cost, warm: its prefill step and first decode step.
+    rid = core.add_request(prompt, params)
+    first = []
+    for _ in range(2):
+        t = time.perf_counter()
+        core.step()
+        first.append(round(1000 * (time.perf_counter() - t), 3))
+    prompt_tokens = len(core.requests[rid].prompt_token_ids)
+    core.abort_request(rid)
+    core.step()  # lets an asynchronous step still in flight drain
+    per_step = {k: round(1000 * v / steps, 4) for k, v in sorted(timed_steps.items(), key=lambda kv: -kv[1])}
+    timed_ms = sum(timed_steps.values()) * 1000 / steps
     return {
         "steps": steps,
         "step_ms": round(1000 * wall / steps, 4),
@@ -80,6 +91,9 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
         "untimed_ms": round(1000 * wall / steps - timed_ms, 4),
         "mean_acceptance_length": round(sum(acc) / len(acc), 3),
         "tokens_per_s": round(sum(acc) / wall, 1),
+        "prompt_tokens": prompt_tokens,
+        "prefill_step_ms": first[0],
+        "first_decode_step_ms": first[1],
     }
 
 
@@ -105,7 +119,9 @@ def main(argv=None):
             torch.cuda.empty_cache()
         r = res[name]
         print(f"== {name}: step {r['step_ms']:.3f} ms, {r['tokens_per_s']} tok/s, "
-              f"acceptance {r['mean_acceptance_length']}, untimed {r['untimed_ms']:.3f} ms")
+              f"acceptance {r['mean_acceptance_length']}, untimed {r['untimed_ms']:.3f} ms; "
+              f"prefill of {r['prompt_tokens']} tokens {r['prefill_step_ms']:.3f} ms, "
+              f"first decode {r['first_decode_step_ms']:.3f} ms")
         for k, v in r["phases_ms"].items():
             print(f"   {v:7.3f} ms  {k}")
     if args.out:

@@ -88,3 +88,20 @@ def test_gpu_async_steps_match_cpu(ckpt, drafter):
     if drafter:
         cpu = acceptance(ckpt, "cpu", greedy, **kw)
         assert [o.metrics.acceptance_lengths for o in gpu] == cpu
+
+
+def test_gpu_prefill_graphs_match_cpu(ckpt):
+    """Prompts one at a time: each prefill replays a captured padded chunk
+    (chunked by max_num_batched_tokens for the long ones)."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=128, prompt_lookup_min=0)
+    cpu = LLM(ckpt / "t", ckpt / "d", device="cpu", dtype="float32", **kw)
+    gpu = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", cuda_graphs=True, **kw)
+    used = []
+    run = gpu.engine.target._execute_prefill_graph
+    gpu.engine.target._execute_prefill_graph = lambda batch, rows: used.append(rows) or run(batch, rows)
+    for p in PROMPTS:
+        want, got = cpu.generate([p], greedy)[0], gpu.generate([p], greedy)[0]
+        assert got.token_ids == want.token_ids
+        assert got.metrics.acceptance_lengths == want.metrics.acceptance_lengths
+    assert len(used) >= len(PROMPTS) and max(used) == 128

@@ -1,0 +1,37 @@
+"""A lone prompt chunk runs padded to a captured length (eagerly off CUDA):
+the same tokens, acceptance and drafter context as the unpadded forward,
+for first and later chunks of a chunked prefill."""
+
+import pytest
+
+from factories import make_drafter, make_target
+from specray import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefill")
+    hf = make_target(root / "t", vocab_size=64, seed=3)
+    make_drafter(root / "d", hf.config, seed=13, block_size=8)
+    return root
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_padded_prefill_equals_eager(ckpt, drafter):
+    prompts = [[5 + (7 * i) % 50 for i in range(n)] for n in (3, 21, 50, 70)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(max_model_len=160, max_num_batched_tokens=24, prompt_lookup_min=0)  # chunks of <= 24 tokens
+    d = ckpt / "d" if drafter else None
+    eager = LLM(ckpt / "t", d, **kw)
+    graphed = LLM(ckpt / "t", d, cuda_graphs=True, **kw)
+    worker = graphed.engine.target
+    assert sorted(worker.prefill_graphs) == [16, 32]
+    used = []
+    run = worker._execute_prefill_graph
+    worker._execute_prefill_graph = lambda batch, rows: used.append(rows) or run(batch, rows)
+    for p in prompts:  # one at a time: each chunk is alone in its step
+        want, got = eager.generate([p], greedy)[0], graphed.generate([p], greedy)[0]
+        assert got.token_ids == want.token_ids
+        assert got.metrics.acceptance_lengths == want.metrics.acceptance_lengths
+    # 3 -> 16; 21 -> 32; 50 -> 24+24+2 -> 32, 32, 16; 70 -> 24+24+22 -> 32 x3
+    assert used == [16, 32, 32, 32, 16, 32, 32, 32]
