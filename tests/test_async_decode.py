@@ -119,3 +119,30 @@ def test_sampled_batch_never_runs_async(models):
     while eng.has_unfinished():
         eng.step()
     assert eng.num_async_steps == 0
+
+
+def test_async_steps_behind_the_tp_driver(models):
+    """A Ray target rank at TP 1 drives its worker through TPDriver (the
+    colocated deployment): the step graphs reach the worker's model."""
+    from specray.actors.workers import TPDriver
+
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = run(engine(models, True, False), prompts()[:2], [greedy] * 2)
+    eng = engine(models, True, True)
+    eng.target = TPDriver(eng.target, None)
+    got = run(eng, prompts()[:2], [greedy] * 2)
+    assert eng.num_async_steps > 5
+    assert [got[k].token_ids for k in "01"] == [want[k].token_ids for k in "01"]
+
+
+def test_async_scheduling_without_graphs_is_refused(models, capsys):
+    from specray.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs cuda_graphs"):
+        EngineConfig(target=str(models / "t"), async_scheduling=True)
+    pytest.importorskip("ray")
+    from specray.serve.cli import main
+
+    argv = ["--target", str(models / "t"), "--drafter", str(models / "d"), "--async-scheduling"]
+    assert main(argv) == 2
+    assert "needs cuda_graphs" in capsys.readouterr().err
