@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from CUDA graphs (the default on a GPU; off CUDA: the same padded path)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action="store_true",
                    help="launch greedy decode steps from the previous step's device results (both engines)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print("specray bench: a drafter is needed (--drafter DIR)", file=sys.stderr)
         return 2
     # Two engines share the device: each takes a part of its memory.
-    mem = dict(max_model_len=args.max_model_len or 4096, gpu_memory_utilization=0.4, cuda_graphs=args.cuda_graphs,
+    graphs = False if args.eager else (True if args.cuda_graphs else None)
+    mem = dict(max_model_len=args.max_model_len or 4096, gpu_memory_utilization=0.4, cuda_graphs=graphs,
                async_scheduling=args.async_scheduling, max_num_seqs=max(8, args.batch_size))
     spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.generate(prompts[:1], warm)
         ar.generate(prompts[:1], warm)
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
-               "cuda_graphs": args.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
+               "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
                "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}
     for temp in args.temperatures:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i)

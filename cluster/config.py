@@ -287,7 +287,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 _SETTING_TYPES = {"int": (numbers.Integral,), "int | None": (numbers.Integral, type(None)), "float": (numbers.Real,),
-                  "bool": (bool,),
+                  "bool": (bool,), "bool | None": (bool, type(None)),
                   "str": (str, os.PathLike), "str | None": (str, os.PathLike, type(None))}
 
 
@@ -324,10 +324,12 @@ class EngineConfig:
     # Synchronize the device around model passes so that StepStats splits a
     # step into model time and control overhead (costs a little speed).
     sync_timing: bool = False
-    # Replay decode steps (verify block, batched propose) from CUDA graphs
-    # captured per padded batch size (TP 1). Off CUDA this runs the same
-    # padded static-shaped path eagerly, which is how CPU tests cover it.
-    cuda_graphs: bool = False
+    # Replay decode steps (verify block, batched propose) and lone prompt
+    # chunks from CUDA graphs captured per padded size (TP 1). None: on for
+    # a CUDA device (eager launches cost the host more than the GPU's work:
+    # 6x fewer tokens/s at batch 1 on the H200). Off CUDA, True runs the
+    # same padded static-shaped path eagerly, which is how CPU tests cover it.
+    cuda_graphs: bool | None = None
     # Launch a decode-only greedy step as one graph from the previous step's
     # results on the device, before the host reads them (async_decode.py,
     # step_graph.py); such steps use no prompt-lookup drafts. Needs
@@ -361,6 +363,8 @@ class EngineConfig:
         if self.prompt_lookup_min < 0 or (self.prompt_lookup_min and self.prompt_lookup_max < self.prompt_lookup_min):
             raise ConfigError(f"prompt lookup needs 0 (off) or 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.cuda_graphs is None:
+            self.cuda_graphs = str(self.device).startswith("cuda")
         if self.async_scheduling and not self.cuda_graphs:
             raise ConfigError("async_scheduling replays whole decode steps from graphs: it needs cuda_graphs")
         if self.num_speculative_tokens is not None and int(self.num_speculative_tokens) < 1:

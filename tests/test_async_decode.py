@@ -146,3 +146,11 @@ def test_async_scheduling_without_graphs_is_refused(models, capsys):
     argv = ["--target", str(models / "t"), "--drafter", str(models / "d"), "--async-scheduling"]
     assert main(argv) == 2
     assert "needs cuda_graphs" in capsys.readouterr().err
+
+
+def test_cuda_graphs_default_follows_the_device(models):
+    t = str(models / "t")
+    assert EngineConfig(target=t).cuda_graphs is False
+    assert EngineConfig(target=t, device="cuda").cuda_graphs is True
+    assert EngineConfig(target=t, device="cuda:1", cuda_graphs=False).cuda_graphs is False
+    assert EngineConfig(target=t, device="cuda", async_scheduling=True).async_scheduling

@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-kv-blocks", type=int)
     m.add_argument("--kv-block-size", type=int, default=16)
     m.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
-    m.add_argument("--cuda-graphs", action="store_true", help="replay decode steps and lone prefills from CUDA graphs")
+    m.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs (on a GPU, decode steps and lone prefills replay from graphs by default)")
     m.add_argument("--async-scheduling", action="store_true",
-                   help="with --cuda-graphs: launch each greedy decode step before the previous one is read")
+                   help="launch each greedy decode step before the previous one is read (needs graphs)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter_placement=args.drafter_placement, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued, api_key=api_key, num_replicas=args.num_replicas,
-        engine=dict(prompt_lookup_min=args.prompt_lookup_min, cuda_graphs=args.cuda_graphs,
+        engine=dict(prompt_lookup_min=args.prompt_lookup_min, cuda_graphs=False if args.eager else None,
                     async_scheduling=args.async_scheduling),
     )
     try:
