@@ -282,8 +282,9 @@ class EngineCore:
 
     # ------------------------------------------------------ asynchronous steps
     def _async_eligible(self, plan) -> bool:
-        """A decode-only step of full greedy blocks, run by workers that take
-        device tensors, may start a chain of asynchronous steps."""
+        """A decode-only step of full greedy blocks, with the target (TP 1)
+        and the drafter in this process, may start a chain of asynchronous
+        steps."""
         if not self.config.async_scheduling or self.config.sync_timing or plan.prefill or plan.preempted:
             return False
         if not plan.decode or any(d.block_len != self.block_size or not d.request.params.greedy
