@@ -308,10 +308,11 @@ class EngineCore:
     def _can_chain(self, prev: InflightStep) -> bool:
         """Whether the step after ``prev`` may be launched before ``prev``'s
         results are applied: the same rows, none finished, none near a
-        length limit, no request waiting that could be admitted, and room to
+        length limit, no waiting request that scheduling would admit now (one
+        that does not fit waits for a finish, which drains), and room to
         reserve every row's blocks two verify blocks ahead."""
         sched, B = self.scheduler, self.block_size
-        if len(sched.running) != len(prev.requests) or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+        if len(sched.running) != len(prev.requests) or sched.could_admit(len(prev.requests) * B):
             return False
         for r in prev.requests:
             # The host's view lags ``prev``: it may advance by up to B, and

@@ -162,7 +162,9 @@ class Scheduler:
             budget -= item.end - item.start
         return plan
 
-    def _plan_prefill(self, req: Request, budget: int) -> PrefillItem | None:
+    def _prefill_end(self, req: Request, budget: int) -> int | None:
+        """Where ``req``'s next prefill chunk would end within ``budget``, or
+        None when it does not fit."""
         start = req.num_computed
         end = min(req.prefill_len, start + budget)
         if end <= start:
@@ -173,8 +175,22 @@ class Scheduler:
         headroom = min(end + self.block_size, self.max_model_len)
         if not t.can_reserve(headroom) or (d is not None and not d.can_reserve(headroom)):
             return None
+        return end
+
+    def _plan_prefill(self, req: Request, budget: int) -> PrefillItem | None:
+        end = self._prefill_end(req, budget)
+        if end is None:
+            return None
+        start = req.num_computed
         self.reserve(req, end)
         return PrefillItem(req, start, end)
+
+    def could_admit(self, decode_tokens: int) -> bool:
+        """Whether scheduling now would admit the head of the queue beside
+        ``decode_tokens`` rows of decode blocks."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        return self._prefill_end(self.waiting[0], self.max_num_batched_tokens - decode_tokens) is not None
 
     def commit(self, req: Request, num_computed: int, keep: int | None = None) -> None:
         """After a step: ``num_computed`` positions are valid; roll back the

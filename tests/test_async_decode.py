@@ -154,3 +154,32 @@ def test_cuda_graphs_default_follows_the_device(models):
     assert EngineConfig(target=t, device="cuda").cuda_graphs is True
     assert EngineConfig(target=t, device="cuda:1", cuda_graphs=False).cuda_graphs is False
     assert EngineConfig(target=t, device="cuda", async_scheduling=True).async_scheduling
+
+
+def test_chains_while_a_waiting_request_does_not_fit(models, monkeypatch):
+    """A request that cannot be admitted yet (KV full) does not stop the
+    running ones from chaining; it gets in once one finishes."""
+    import specray.engine as engine_module
+
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(2, 319, (n,), generator=g).tolist() for n in (30, 30, 80)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 60, 20)]
+
+    def build(async_):
+        return build_engine(EngineConfig(
+            target=str(models / "t"), drafter=str(models / "d"), kv_block_size=4, num_kv_blocks=50,
+            max_model_len=128, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_))
+
+    want = run(build(False), ps, params, joins={2: 10})
+    eng = build(True)
+    chained_while_waiting = []
+    launch = engine_module.launch_decode
+
+    def counting(core, requests, chained):
+        chained_while_waiting.append(chained and bool(core.scheduler.waiting))
+        return launch(core, requests, chained)
+
+    monkeypatch.setattr(engine_module, "launch_decode", counting)
+    got = run(eng, ps, params, joins={2: 10})
+    assert sum(chained_while_waiting) > 3, chained_while_waiting
+    assert [got[k].token_ids for k in "012"] == [want[k].token_ids for k in "012"]
