@@ -16,8 +16,9 @@ Tokens do not change: every row still emits exactly what the synchronous
 step would (greedy verification keeps the target's argmax chain, whatever
 the drafts). A row whose request finishes while its next step is in flight
 has that step's results dropped. The engine drains back to synchronous
-steps whenever the set of rows must change (a finish, an admission, a
-sampled request, a length limit within two blocks, no room to reserve) —
+steps whenever the set of rows must change (a finish, an admission that
+fits, a sampled request, a length limit within two blocks, no room to
+reserve) —
 and prompt-lookup drafts, which need the host's tokens, sit these steps out.
 """
 
