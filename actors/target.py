@@ -90,9 +90,12 @@ class TargetWorker:
             self.spec.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
         )
 
-    def enable_decode_graphs(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool) -> None:
-        """Capture decode steps of ``q_len`` rows per sequence (the verify
-        block) in CUDA graphs, for up to ``max_seqs`` sequences."""
+    def _static_forward(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool,
+                        one_logits_row: bool):
+        """Static buffers for ``max_seqs`` sequences of ``q_len`` rows each
+        and the forward over the first ``n`` of them: logits for every row,
+        or with ``one_logits_row`` for the row of each sequence that its
+        ``logits_index`` names. Returns ``(buffers, rows_per_seq, forward)``."""
         dev = self.device
         rows = max_seqs * q_len
         width = -(-(self.max_model_len + q_len) // block_size)
@@ -104,9 +107,9 @@ class TargetWorker:
             "block_tables": torch.zeros(max_seqs, width, dtype=torch.int32, device=dev),
         }
         per_seq = {"input_ids": q_len, "positions": q_len, "slot_mapping": q_len, "seq_lens": 1, "block_tables": 1}
-        # Dummy sequences: q_len rows at positions 0.., writing into block 0.
-        pad = {"input_ids": 0, "positions": torch.arange(q_len, device=dev).repeat(max_seqs),
-               "slot_mapping": 0, "seq_lens": q_len, "block_tables": 0}
+        if one_logits_row:
+            bufs["logits_index"] = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+            per_seq["logits_index"] = 1
         query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int64, device=dev)
         all_rows = torch.arange(rows, device=dev)
         taps = self.tap_layer_ids if (want_hidden and self.is_driver) else ()
@@ -116,10 +119,21 @@ class TargetWorker:
                 bufs["positions"][: n * q_len], bufs["slot_mapping"][: n * q_len], query_start_loc[: n + 1],
                 bufs["seq_lens"][:n], bufs["block_tables"][:n], q_len, self.max_model_len + q_len,
             )
+            logits_rows = bufs["logits_index"][:n] if one_logits_row else all_rows[: n * q_len]
             return self.model.forward(bufs["input_ids"][: n * q_len], attn, self.kv_cache,
-                                      logits_indices=all_rows[: n * q_len] if self.is_driver else None,
+                                      logits_indices=logits_rows if self.is_driver else None,
                                       tap_layer_ids=taps)
 
+        return bufs, per_seq, forward
+
+    def enable_decode_graphs(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool) -> None:
+        """Capture decode steps of ``q_len`` rows per sequence (the verify
+        block) in CUDA graphs, for up to ``max_seqs`` sequences."""
+        dev = self.device
+        bufs, per_seq, forward = self._static_forward(q_len, max_seqs, block_size, want_hidden, False)
+        # Dummy sequences: q_len rows at positions 0.., writing into block 0.
+        pad = {"input_ids": 0, "positions": torch.arange(q_len, device=dev).repeat(max_seqs),
+               "slot_mapping": 0, "seq_lens": q_len, "block_tables": 0}
         self.graphs = DecodeGraphs(forward, bufs, per_seq, pad, max_seqs, dev)
         self.graph_q_len = q_len
 
@@ -128,32 +142,12 @@ class TargetWorker:
         lengths up to ``max_tokens`` (at most 512). Launched eagerly, a short
         prompt's forward cost the host ~12 ms for ~1 ms of GPU work (300
         kernels; H200, 30 layers): at batch 1 that was a tenth of a request."""
-        dev = self.device
-        taps = self.tap_layer_ids if (want_hidden and self.is_driver) else ()
         self.prefill_graphs = {}
         for rows in (16, 32, 64, 128, 256, 512):
             if rows >= 2 * max_tokens:  # the previous length already holds any chunk
                 break
-            width = -(-(self.max_model_len + rows) // block_size)
-            bufs = {
-                "input_ids": torch.zeros(rows, dtype=torch.int64, device=dev),
-                "positions": torch.zeros(rows, dtype=torch.int64, device=dev),
-                "slot_mapping": torch.zeros(rows, dtype=torch.int64, device=dev),
-                "seq_lens": torch.zeros(1, dtype=torch.int64, device=dev),
-                "block_tables": torch.zeros(1, width, dtype=torch.int32, device=dev),
-                "logits_index": torch.zeros(1, dtype=torch.int64, device=dev),
-            }
-            per_seq = {name: buf.shape[0] for name, buf in bufs.items()}
-            query_start_loc = torch.tensor([0, rows], dtype=torch.int64, device=dev)
-
-            def forward(n: int, bufs=bufs, rows=rows, query_start_loc=query_start_loc):
-                attn = AttentionMetadata(bufs["positions"], bufs["slot_mapping"], query_start_loc, bufs["seq_lens"],
-                                         bufs["block_tables"], rows, self.max_model_len + rows)
-                return self.model.forward(bufs["input_ids"], attn, self.kv_cache,
-                                          logits_indices=bufs["logits_index"] if self.is_driver else None,
-                                          tap_layer_ids=taps)
-
-            self.prefill_graphs[rows] = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, dev)
+            bufs, per_seq, forward = self._static_forward(rows, 1, block_size, want_hidden, True)
+            self.prefill_graphs[rows] = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, self.device)
 
     def _prefill_rows(self, batch: TargetBatch) -> int | None:
         """The padded length a captured prefill runs ``batch`` at, or None:
