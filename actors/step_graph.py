@@ -13,6 +13,12 @@ it; as one graph it is one launch.
 The accepted rows' context is stored at the end of the same replay: the
 acceptance counts are known on the device by then, and a rejected row's
 slot becomes the reserved slot 0, as in a synchronous graphed step.
+
+With prompt lookup on, each row's tokens live in a device buffer too
+(uploaded when a chain starts, extended by every replay with its accepted
+tokens), so a row whose suffix occurred before drafts what followed it,
+by the synchronous steps' rule (kernels/lookup.py), in place of the
+drafter's drafts.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from specray.actors.graphs import DecodeGraphs
+from specray.kernels.ops import ngram_lookup
 from specray.plan import AttentionMetadata
 from specray.sampling import SamplingTensors, verify
 
@@ -31,12 +38,14 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, kv_block_size: int) 
 
 
 def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
-                      mask_token_id: int | None) -> DecodeGraphs:
+                      mask_token_id: int | None, lookup: tuple[int, int] | None = None) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (a TargetWorker,
     TP 1) and ``drafter`` (a DrafterWorker or None). Inputs: ``start`` and
     ``last`` (a first step only), ``real`` (1 for the batch's rows),
-    ``target_tables`` / ``draft_tables`` ``[S, W]``. Output: ``[S, B + 1]``
-    rows of (num_accepted, bonus, B - 1 drafts)."""
+    ``target_tables`` / ``draft_tables`` ``[S, W]``, and with ``lookup``
+    (min_n, max_n; needs the drafter) ``history`` ``[S, start + 1]`` (a
+    first step only: the rows' tokens). Output: ``[S, B + 2]`` rows of
+    (num_accepted, bonus, drafted by lookup, B - 1 drafts)."""
     dev, B, G = target.device, block_size, block_size - 1
     width = -(-(target.max_model_len + 2 * B) // kv_block_size)
     bufs = {
@@ -47,6 +56,8 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     }
     if drafter is not None:
         bufs["draft_tables"] = torch.zeros(max_seqs, width, dtype=torch.int32, device=dev)
+    if drafter is not None and lookup:
+        bufs["history"] = torch.zeros(max_seqs, width * kv_block_size, dtype=torch.int64, device=dev)
     # Padding rows: block 0, positions from 0, their state reset every step.
     pad = dict.fromkeys(bufs, 0)
     rows_arange = torch.arange(B, device=dev)
@@ -68,9 +79,14 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
             hidden = drafter.model.propose_hidden(block_ids, start, full_blocks[:n], d_tables,
                                                   drafter.max_model_len, drafter.kv_cache)
             drafts = drafter.model.logits(hidden[:, 1:]).argmax(-1)  # [n, G]
+            looked_up = torch.zeros(n, dtype=torch.bool, device=dev)
+            if lookup:
+                found_drafts, looked_up = ngram_lookup(bufs["history"][:n], start + 1, lookup[0], lookup[1], G)
+                drafts = torch.where(looked_up[:, None], found_drafts, drafts)
             input_ids = torch.cat([last[:, None], drafts], 1)
         else:
             drafts = torch.zeros(n, 0, dtype=torch.int64, device=dev)
+            looked_up = torch.zeros(n, dtype=torch.bool, device=dev)
             input_ids = last[:, None]
         attn = AttentionMetadata(positions.reshape(-1), slots_of(tables, positions, kv_block_size).reshape(-1),
                                  query_start_loc[: n + 1], start + B, tables, B, target.max_model_len + 2 * B)
@@ -82,7 +98,13 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
             keep = rows_arange[None] <= num_accepted[:, None]  # the block's last token + accepted drafts
             slots = torch.where(keep, slots_of(d_tables, positions, kv_block_size), 0)
             drafter.model.store_context(hidden_tapped, positions.reshape(-1), slots.reshape(-1), drafter.kv_cache)
-        out = torch.cat([num_accepted[:, None], bonus[:, None], drafts], 1)
+            if lookup:
+                # Positions start + 1 .. start + B: the accepted drafts, then
+                # the bonus (what lies past it is rewritten before it is read).
+                emitted = torch.where(rows_arange[None] < num_accepted[:, None],
+                                      torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])
+                bufs["history"][:n].scatter_(1, positions + 1, emitted)
+        out = torch.cat([num_accepted[:, None], bonus[:, None], looked_up[:, None].long(), drafts], 1)
         start.copy_(torch.where(real, start + num_accepted + 1, 0))
         last.copy_(torch.where(real, bonus, 0))
         return (out,)

@@ -18,8 +18,8 @@ the drafts). A row whose request finishes while its next step is in flight
 has that step's results dropped. The engine drains back to synchronous
 steps whenever the set of rows must change (a finish, an admission that
 fits, a sampled request, a length limit within two blocks, no room to
-reserve) —
-and prompt-lookup drafts, which need the host's tokens, sit these steps out.
+reserve). Prompt-lookup drafts come from a copy of each row's tokens on the
+device, which the graph extends as it accepts them.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ class InflightStep:
     """A launched decode step whose results the host has not read."""
 
     requests: list[Request]
-    results: torch.Tensor  # [S, B + 1] int64 on the host: accepted, bonus, drafts
+    results: torch.Tensor  # [S, B + 2] int64 on the host: accepted, bonus, drafted by lookup, drafts
     ready: torch.cuda.Event | None  # recorded after the copy into ``results``
 
-    def read(self) -> tuple[list[int], list[int], list[list[int]]]:
+    def read(self) -> list[tuple[int, int, bool, list[int]]]:
+        """Per row: (num_accepted, bonus, drafted by lookup, drafts)."""
         if self.ready is not None:
             self.ready.synchronize()
-        rows = self.results.tolist()
-        return [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
+        return [(r[0], r[1], bool(r[2]), r[3:]) for r in self.results.tolist()]
 
 
 def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
@@ -59,6 +59,12 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
         inputs["start"] = torch.tensor([r.num_computed for r in requests], dtype=torch.int64)
         inputs["last"] = torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
         inputs["real"] = torch.ones(len(requests), dtype=torch.bool)
+        if "history" in graphs.buffers:
+            tokens = [r.all_token_ids for r in requests]
+            history = torch.zeros(len(tokens), max(map(len, tokens)), dtype=torch.int64)
+            for i, t in enumerate(tokens):
+                history[i, : len(t)] = torch.tensor(t)
+            inputs["history"] = history
     # Tables change only when a row crosses into a new block: upload them then.
     tables = [r.target_blocks.blocks for r in requests]
     if not chained or tables != core.uploaded_tables:

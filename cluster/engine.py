@@ -302,6 +302,8 @@ class EngineCore:
             self._step_graphs = build_step_graphs(
                 target, self.drafter, self.block_size, self.config.max_num_seqs, self.config.kv_block_size,
                 self.drafter_spec.mask_token_id if self.drafter_spec else None,
+                lookup=(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+                if self.config.prompt_lookup_min else None,
             )
         return self._step_graphs
 
@@ -327,15 +329,14 @@ class EngineCore:
         """Apply an asynchronous step's tokens. With the next step in flight
         its blocks stay reserved; rows of requests that finished meanwhile
         are dropped."""
-        n_acc, bonus, drafts = step.read()
         G = self.block_size - 1
         outputs = []
-        for s, r in enumerate(step.requests):
+        for r, (a, bonus, looked_up, drafts) in zip(step.requests, step.read()):
             if r.finished:
                 continue
-            a = n_acc[s]
-            produced = self._append(r, drafts[s][:a] + [bonus[s]])
+            produced = self._append(r, drafts[:a] + [bonus])
             r.metrics.record_step(G, min(a, produced), produced)
+            r.metrics.num_lookup_steps += looked_up
             if not r.finished:
                 computed = r.num_computed + a + 1
                 self.scheduler.commit(r, computed, keep=computed + self.block_size if chained else computed)

@@ -11,12 +11,14 @@ from specray.kernels.attention import (
     paged_attention_ref,
     store_kv,
 )
+from specray.kernels.lookup import ngram_lookup_ref
 
 try:  # triton is optional: CPU installs run the references
     from specray.kernels import attention_triton as _triton
     from specray.kernels import fused_triton as _fused
+    from specray.kernels import lookup_triton as _lookup
 except Exception:  # ImportError, or a triton that cannot initialise here
-    _triton = _fused = None
+    _triton = _fused = _lookup = None
 
 # The fused elementwise kernels copy the reference's roundings in 16-bit
 # dtypes; fp32 runs the references, so fp32 on a GPU gives the CPU's bits
@@ -59,4 +61,9 @@ def silu_mul(gate_up):
     return (_fused.silu_mul if _fused_ok(gate_up) else fused.silu_mul)(gate_up)
 
 
-__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul"]
+def ngram_lookup(history, lengths, min_n, max_n, k):
+    fn = _lookup.ngram_lookup if _lookup is not None and history.is_cuda else ngram_lookup_ref
+    return fn(history, lengths, min_n, max_n, k)
+
+
+__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul", "ngram_lookup"]

@@ -112,6 +112,25 @@ def test_async_steps_equal_sync_steps(models, drafter):
         assert sum(len(o.metrics.acceptance_lengths) for o in got.values()) > 0
 
 
+def test_async_lookups_draft_what_sync_lookups_draft(models):
+    """Prompt lookups in async steps come from the rows' tokens on the
+    device, which every replay extends: step by step the same drafts as the
+    host's index, so the same acceptance lengths and lookup counts."""
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(2, 319, (5,), generator=g).tolist()
+    ps = [motif * 4, prompts()[0] * 3, motif + prompts()[1] + motif[:3]]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (50, 40, 45)]
+    sync = run(engine(models, True, False), ps, params)
+    eng = engine(models, True, True)
+    got = run(eng, ps, params)
+    assert eng.num_async_steps > 10
+    for rid in "012":
+        assert got[rid].token_ids == sync[rid].token_ids
+        assert got[rid].metrics.acceptance_lengths == sync[rid].metrics.acceptance_lengths, rid
+        assert got[rid].metrics.num_lookup_steps == sync[rid].metrics.num_lookup_steps, rid
+    assert sum(o.metrics.num_lookup_steps for o in got.values()) > 5
+
+
 def test_sampled_batch_never_runs_async(models):
     eng = engine(models, True, True)
     for i, p in enumerate(prompts()[:3]):

@@ -37,6 +37,48 @@ def test_index_matches_a_plain_search_as_tokens_arrive():
                 assert idx.propose(prompt, output, 5) == plain_lookup(prompt + output, lo, hi, 5)
 
 
+def _random_histories(rng, rows, width, vocab):
+    """Rows of 1..width - 10 tokens from a small vocabulary (many repeats),
+    each followed by junk the lookup must not read."""
+    tokens = [[rng.randrange(vocab) for _ in range(rng.randrange(1, width - 10))] for _ in range(rows)]
+    history = torch.tensor([[rng.randrange(vocab) for _ in range(width)] for _ in range(rows)])
+    for i, t in enumerate(tokens):
+        history[i, : len(t)] = torch.tensor(t)
+    return tokens, history, torch.tensor([len(t) for t in tokens])
+
+
+def test_device_lookup_reference_is_the_index_rule():
+    """kernels/lookup.py (the asynchronous steps' lookups) drafts what the
+    host's rule drafts, padded as the merge pads it."""
+    from specray.kernels.lookup import ngram_lookup_ref
+
+    rng = random.Random(1)
+    for lo, hi in [(1, 3), (2, 4), (3, 3)]:
+        tokens, history, lengths = _random_histories(rng, 60, 70, 5)
+        drafts, found = ngram_lookup_ref(history, lengths, lo, hi, 6)
+        for i, t in enumerate(tokens):
+            want = plain_lookup(t, lo, hi, 6)
+            assert bool(found[i]) == bool(want), (t, want)
+            if want:
+                assert drafts[i].tolist() == (want + [want[-1]] * 6)[:6], (t, want, drafts[i])
+        assert 0 < int(found.sum()) < len(tokens)
+
+
+@pytest.mark.gpu
+def test_device_lookup_kernel_matches_reference():
+    pytest.importorskip("triton")
+    from specray.kernels.lookup import ngram_lookup_ref
+    from specray.kernels.lookup_triton import ngram_lookup
+
+    rng = random.Random(2)
+    for lo, hi, width, vocab in [(1, 3, 70, 5), (2, 4, 1500, 3), (2, 4, 3000, 40), (3, 6, 600, 4)]:
+        _, history, lengths = _random_histories(rng, 33, width, vocab)
+        history, lengths = history.cuda(), lengths.cuda()
+        want = ngram_lookup_ref(history, lengths, lo, hi, 15)
+        got = ngram_lookup(history, lengths, lo, hi, 15)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (lo, hi, width)
+
+
 def test_index_examples():
     idx = NgramIndex(2, 4)
     # "7 8" occurred twice: the most recent one (followed by 5) wins.
