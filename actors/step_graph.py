@@ -1,4 +1,4 @@
-"""One CUDA graph for a whole greedy decode step of full verify blocks:
+"""One CUDA graph for a whole decode step of full verify blocks:
 drafter propose, target verify, acceptance, drafter context store, and the
 next step's inputs, with the target and the drafter in this process.
 
@@ -28,7 +28,7 @@ import torch
 from specray.actors.graphs import DecodeGraphs
 from specray.kernels.ops import ngram_lookup
 from specray.plan import AttentionMetadata
-from specray.sampling import SamplingTensors, verify
+from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens, verify
 
 
 def slots_of(tables: torch.Tensor, positions: torch.Tensor, kv_block_size: int) -> torch.Tensor:
@@ -38,50 +38,77 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, kv_block_size: int) 
 
 
 def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
-                      mask_token_id: int | None, lookup: tuple[int, int] | None = None) -> DecodeGraphs:
+                      mask_token_id: int | None, lookup: tuple[int, int] | None = None,
+                      sampling: str = "greedy", draft_top_k: int = 64) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (a TargetWorker,
     TP 1) and ``drafter`` (a DrafterWorker or None). Inputs: ``start`` and
     ``last`` (a first step only), ``real`` (1 for the batch's rows),
-    ``target_tables`` / ``draft_tables`` ``[S, W]``, and with ``lookup``
+    ``target_tables`` / ``draft_tables`` ``[S, W]``, ``budget`` (a first
+    step only: tokens each row may still emit; a block verifies at most
+    ``budget - 1`` drafts, as a synchronous step cuts it), and with ``lookup``
     (min_n, max_n; needs the drafter) ``history`` ``[S, start + 1]`` (a
-    first step only: the rows' tokens). Output: ``[S, B + 2]`` rows of
-    (num_accepted, bonus, drafted by lookup, B - 1 drafts)."""
+    first step only: the rows' tokens). ``sampling``: "greedy" (every row),
+    "sampled" (some rows sample; none filters by top-k / top-p) or
+    "filtered"; the last two take ``temperature``, ``top_p``, ``top_k``
+    ``[S]`` and ``keys`` ``[S, 3]`` (``sampling.seed_keys``) on a first
+    step, and draw each step's uniforms from the rows' starts on the
+    device. Lookups draft for greedy rows only. Output: ``[S, B + 2]`` rows
+    of (num_accepted, bonus, drafted by lookup, B - 1 drafts)."""
     dev, B, G = target.device, block_size, block_size - 1
     width = -(-(target.max_model_len + 2 * B) // kv_block_size)
     bufs = {
         "start": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
         "last": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
         "real": torch.zeros(max_seqs, dtype=torch.bool, device=dev),
+        "budget": torch.zeros(max_seqs, dtype=torch.int64, device=dev),
         "target_tables": torch.zeros(max_seqs, width, dtype=torch.int32, device=dev),
     }
     if drafter is not None:
         bufs["draft_tables"] = torch.zeros(max_seqs, width, dtype=torch.int32, device=dev)
     if drafter is not None and lookup:
         bufs["history"] = torch.zeros(max_seqs, width * kv_block_size, dtype=torch.int64, device=dev)
+    if sampling != "greedy":
+        bufs["temperature"] = torch.zeros(max_seqs, dtype=torch.float32, device=dev)
+        bufs["top_p"] = torch.ones(max_seqs, dtype=torch.float32, device=dev)
+        bufs["top_k"] = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        bufs["keys"] = torch.zeros(max_seqs, 3, dtype=torch.int64, device=dev)
     # Padding rows: block 0, positions from 0, their state reset every step.
-    pad = dict.fromkeys(bufs, 0)
+    pad = dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {})
     rows_arange = torch.arange(B, device=dev)
     all_rows = torch.arange(max_seqs * B, device=dev)
     query_start_loc = torch.arange(0, max_seqs * B + 1, B, dtype=torch.int64, device=dev)
     greedy = SamplingTensors(temperature=torch.zeros(0), top_p=torch.zeros(0), top_k=torch.zeros(0, dtype=torch.int64),
                              uniforms=torch.zeros(3, 0, 0, dtype=torch.float64), all_greedy=True)
-    num_drafts = torch.full((max_seqs,), G, dtype=torch.int64, device=dev)
-    full_blocks = torch.full((max_seqs,), B, dtype=torch.int64, device=dev)
     taps = target.tap_layer_ids if drafter is not None else ()
+
+    def sampling_tensors(n: int, start: torch.Tensor) -> SamplingTensors:
+        if sampling == "greedy":
+            return greedy
+        return SamplingTensors(bufs["temperature"][:n], bufs["top_p"][:n], bufs["top_k"][:n],
+                               position_uniforms(bufs["keys"][:n].T, start, B), all_greedy=False,
+                               any_filter=sampling == "filtered")
 
     def step(n: int):
         start, last, real = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n]
         tables = bufs["target_tables"][:n]
         positions = start[:, None] + rows_arange  # [n, B]
+        st = sampling_tensors(n, start)
+        # A row within a block of its max_tokens verifies a shorter block,
+        # which the drafter sees too (its block attends both ways).
+        block_len = (bufs["budget"][:n] + 1).clamp(1, B)
+        draft_idx = draft_q = None
         if drafter is not None:
             d_tables = bufs["draft_tables"][:n]
             block_ids = torch.cat([last[:, None], torch.full((n, G), mask_token_id, dtype=torch.int64, device=dev)], 1)
-            hidden = drafter.model.propose_hidden(block_ids, start, full_blocks[:n], d_tables,
+            hidden = drafter.model.propose_hidden(block_ids, start, block_len, d_tables,
                                                   drafter.max_model_len, drafter.kv_cache)
-            drafts = drafter.model.logits(hidden[:, 1:]).argmax(-1)  # [n, G]
+            drafts, draft_idx, draft_q = sample_draft_tokens(drafter.model.logits(hidden[:, 1:]), st, draft_top_k)
             looked_up = torch.zeros(n, dtype=torch.bool, device=dev)
             if lookup:
                 found_drafts, looked_up = ngram_lookup(bufs["history"][:n], start + 1, lookup[0], lookup[1], G)
+                looked_up = looked_up & (block_len > 1)
+                if sampling != "greedy":
+                    looked_up = looked_up & (st.temperature == 0)
                 drafts = torch.where(looked_up[:, None], found_drafts, drafts)
             input_ids = torch.cat([last[:, None], drafts], 1)
         else:
@@ -92,7 +119,7 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
                                  query_start_loc[: n + 1], start + B, tables, B, target.max_model_len + 2 * B)
         logits, hidden_tapped = target.model.forward(input_ids.reshape(-1), attn, target.kv_cache,
                                                      logits_indices=all_rows[: n * B], tap_layer_ids=taps)
-        res = verify(logits.view(n, B, -1), drafts, num_drafts[:n], greedy)
+        res = verify(logits.view(n, B, -1), drafts, block_len - 1, st, draft_idx, draft_q)
         num_accepted, bonus = res.num_accepted.long(), res.bonus.long()
         if drafter is not None:
             keep = rows_arange[None] <= num_accepted[:, None]  # the block's last token + accepted drafts
@@ -107,6 +134,7 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         out = torch.cat([num_accepted[:, None], bonus[:, None], looked_up[:, None].long(), drafts], 1)
         start.copy_(torch.where(real, start + num_accepted + 1, 0))
         last.copy_(torch.where(real, bonus, 0))
+        bufs["budget"][:n] -= num_accepted + 1
         return (out,)
 
     return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), pad, max_seqs, dev)

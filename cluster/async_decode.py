@@ -30,6 +30,7 @@ import torch
 
 from specray.actors.kv_cache import block_table_tensor
 from specray.request import Request
+from specray.sampling import SamplingTensors, any_filter, seed_keys
 
 
 @dataclass
@@ -52,13 +53,22 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
     ``requests``: a first step loads each row's start and last token from
     the host, a chained one continues from the previous replay's. Blocks
     must be reserved through ``start + B`` positions."""
-    graphs = core.step_graphs()
+    params = [r.params for r in requests]
+    vocab = core.target_spec.vocab_size
+    mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
+    graphs = core.step_graphs(mode)
     dev = core.device
     inputs = {}
     if not chained:
         inputs["start"] = torch.tensor([r.num_computed for r in requests], dtype=torch.int64)
         inputs["last"] = torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
         inputs["real"] = torch.ones(len(requests), dtype=torch.bool)
+        inputs["budget"] = torch.tensor([r.params.max_tokens - len(r.output_token_ids) for r in requests])
+        if mode != "greedy":
+            st = SamplingTensors.build(params, [r.seed for r in requests], inputs["start"].tolist(), 0,
+                                       vocab_size=vocab)
+            inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
+                       "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
         if "history" in graphs.buffers:
             tokens = [r.all_token_ids for r in requests]
             history = torch.zeros(len(tokens), max(map(len, tokens)), dtype=torch.int64)

@@ -125,7 +125,7 @@ class EngineCore:
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len - 1)
         self.last_step = StepStats()
         self._inflight: InflightStep | None = None  # an asynchronous step not yet applied
-        self._step_graphs = None
+        self._step_graphs = {}
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
 
@@ -282,30 +282,34 @@ class EngineCore:
 
     # ------------------------------------------------------ asynchronous steps
     def _async_eligible(self, plan) -> bool:
-        """A decode-only step of full greedy blocks, with the target (TP 1)
+        """A decode-only step of full blocks, with the target (TP 1)
         and the drafter in this process, may start a chain of asynchronous
         steps."""
         if not self.config.async_scheduling or self.config.sync_timing or plan.prefill or plan.preempted:
             return False
-        if not plan.decode or any(d.block_len != self.block_size or not d.request.params.greedy
-                                  for d in plan.decode):
+        if not plan.decode or any(d.block_len != self.block_size for d in plan.decode):
             return False
+        if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
+                not all(d.request.params.greedy for d in plan.decode):
+            return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it
         workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
         return all(getattr(w, "local_model", False) for w in workers)
 
-    def step_graphs(self):
-        """The whole-step graphs of the in-process target and drafter."""
-        if self._step_graphs is None:
+    def step_graphs(self, sampling: str):
+        """The whole-step graphs of the in-process target and drafter, for
+        batches whose ``sampling`` is "greedy", "sampled" or "filtered"."""
+        if sampling not in self._step_graphs:
             from specray.actors.step_graph import build_step_graphs
 
             target = getattr(self.target, "worker", self.target)
-            self._step_graphs = build_step_graphs(
+            self._step_graphs[sampling] = build_step_graphs(
                 target, self.drafter, self.block_size, self.config.max_num_seqs, self.config.kv_block_size,
                 self.drafter_spec.mask_token_id if self.drafter_spec else None,
                 lookup=(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
                 if self.config.prompt_lookup_min else None,
+                sampling=sampling, draft_top_k=self.config.draft_top_k,
             )
-        return self._step_graphs
+        return self._step_graphs[sampling]
 
     def _can_chain(self, prev: InflightStep) -> bool:
         """Whether the step after ``prev`` may be launched before ``prev``'s

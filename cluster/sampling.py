@@ -130,7 +130,6 @@ class SamplingTensors:
         drafts reads no others). An all-greedy batch stays on the host:
         nothing reads its tensors. With ``vocab_size``, a top-k that keeps
         the whole vocabulary counts as no filter."""
-        max_k = vocab_size if vocab_size is not None else float("inf")
         all_greedy = all(p.greedy for p in params)
         st = SamplingTensors(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
@@ -140,7 +139,7 @@ class SamplingTensors:
             uniforms=torch.zeros(3, len(seeds), 0, dtype=torch.float64) if all_greedy
             else host_uniforms(seeds, starts, width),
             all_greedy=all_greedy,
-            any_filter=any(not p.greedy and (0 < p.top_k < max_k or p.top_p < 1) for p in params),
+            any_filter=any_filter(params, vocab_size),
         )
         return st.to(device)
 
@@ -153,6 +152,13 @@ class SamplingTensors:
         move = lambda t: host_to_device(t, device)  # noqa: E731
         return SamplingTensors(move(self.temperature), move(self.top_p), move(self.top_k), move(self.uniforms),
                                self.all_greedy, self.any_filter)
+
+
+def any_filter(params: list[SamplingParams], vocab_size: int | None = None) -> bool:
+    """Whether a sampled row of ``params`` restricts its distribution (top-k
+    below the vocabulary, top-p below 1)."""
+    max_k = vocab_size if vocab_size is not None else float("inf")
+    return any(not p.greedy and (0 < p.top_k < max_k or p.top_p < 1) for p in params)
 
 
 def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -205,6 +211,22 @@ def _seed_half(seeds, stream):
 def _position_half(keys, positions):
     x = _mix32(keys ^ (positions & _M32))
     return _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
+
+
+def position_uniforms(keys: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`host_uniforms` from tensors already on the device: ``keys``
+    ``[3, S]`` (:func:`seed_keys`), ``starts`` ``[S]`` -> ``[3, S, width]``
+    float64, for steps whose starts only the device knows (asynchronous
+    steps). One Triton kernel on a GPU, these operators elsewhere."""
+    if starts.is_cuda:
+        try:
+            from specray.kernels.uniforms_triton import position_uniforms as kernel
+        except ImportError:
+            kernel = None
+        if kernel is not None:
+            return kernel(keys, starts, width)
+    pos = starts.long()[:, None] + 1 + torch.arange(width, device=starts.device)[None]
+    return (_position_half(keys.long()[:, :, None], pos[None]).double() + 0.5) / 4294967296.0
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:

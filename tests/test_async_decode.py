@@ -131,12 +131,35 @@ def test_async_lookups_draft_what_sync_lookups_draft(models):
     assert sum(o.metrics.num_lookup_steps for o in got.values()) > 5
 
 
-def test_sampled_batch_never_runs_async(models):
-    eng = engine(models, True, True)
-    for i, p in enumerate(prompts()[:3]):
-        eng.add_request(p, SamplingParams(max_tokens=12, temperature=0.8, seed=i))
-    while eng.has_unfinished():
-        eng.step()
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_sampled_async_steps_equal_sync_steps(models, drafter):
+    """Sampled rows in async steps draw, on the device, the counter-based
+    uniforms the host draws for synchronous steps: plain sampling, then
+    top-k / top-p beside a greedy row, give the same tokens and acceptance."""
+    ps = [prompts()[i] for i in (0, 1, 2, 4)]
+    params = [SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=37, temperature=1.3, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=35, temperature=1.0, top_p=0.9, top_k=20, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    for rows, graphs in (([0, 1], {"sampled"}), ([0, 1, 2, 3], {"filtered"})):
+        sync = run(engine(models, drafter, False), [ps[i] for i in rows], [params[i] for i in rows])
+        eng = engine(models, drafter, True)
+        got = run(eng, [ps[i] for i in rows], [params[i] for i in rows])
+        assert eng.num_async_steps > 10 and graphs <= set(eng._step_graphs)
+        for rid in map(str, range(len(rows))):
+            assert got[rid].token_ids == sync[rid].token_ids, (rows, rid)
+            assert got[rid].metrics.acceptance_lengths == sync[rid].metrics.acceptance_lengths, (rows, rid)
+        if drafter:
+            assert max(a for o in got.values() for a in o.metrics.acceptance_lengths) > 1
+
+
+def test_sampled_lookups_keep_sync_steps(models):
+    """``prompt_lookup_sampled`` drafts for sampled rows with a one-hot q,
+    which only synchronous steps build: such batches do not go async."""
+    eng = build_engine(EngineConfig(
+        target=str(models / "t"), drafter=str(models / "d"), kv_block_size=4, num_kv_blocks=300,
+        max_model_len=MAX_MODEL_LEN, cuda_graphs=True, async_scheduling=True, prompt_lookup_sampled=True))
+    run(eng, prompts()[:2], [SamplingParams(max_tokens=30, temperature=0.8, seed=i) for i in range(2)])
     assert eng.num_async_steps == 0
 
 

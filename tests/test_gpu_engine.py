@@ -90,6 +90,40 @@ def test_gpu_async_steps_match_cpu(ckpt, drafter):
         assert [o.metrics.acceptance_lengths for o in gpu] == cpu
 
 
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_gpu_sampled_async_steps_match_cpu(ckpt, drafter):
+    """Sampled async steps draw their uniforms on the device (one Triton
+    kernel) from starts the host never sees: the CPU's tokens, plain and
+    top-p rows in one batch, and the CPU's acceptance lengths."""
+    sampled = [SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95 if i % 2 else 1.0, seed=i, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    kw = dict(cuda_graphs=True, async_scheduling=True)
+    llm = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, **kw)
+    gpu = llm.generate(PROMPTS, sampled)
+    assert llm.engine.num_async_steps > 0 and "filtered" in llm.engine._step_graphs
+    assert [o.token_ids for o in gpu] == generate(ckpt, drafter, "cpu", "float32", sampled)
+    if drafter:
+        assert [o.metrics.acceptance_lengths for o in gpu] == acceptance(ckpt, "cpu", sampled, **kw)
+
+
+def test_gpu_uniforms_kernel_is_the_hash():
+    pytest.importorskip("triton")
+    from specray.kernels.uniforms_triton import position_uniforms
+    from specray.sampling import host_uniforms, seed_keys
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.randint(0, 2**62, (37,), generator=g).tolist() + [0, 2**63 - 1]
+    starts = torch.randint(0, 2**34, (len(seeds),), generator=g).tolist()
+    keys = torch.from_numpy(seed_keys(seeds)).cuda()
+    for width in (1, 6, 16, 33):
+        want = host_uniforms(seeds, starts, width)
+        assert torch.equal(position_uniforms(keys, torch.tensor(starts).cuda(), width).cpu(), want), width
+        # The step graph keeps keys row-major per sequence and passes their transpose.
+        keys_t = keys.T.contiguous().T
+        assert torch.equal(position_uniforms(keys_t, torch.tensor(starts).cuda(), width).cpu(), want), width
+
+
 def test_gpu_prefill_graphs_match_cpu(ckpt):
     """Prompts one at a time: each prefill replays a captured padded chunk
     (chunked by max_num_batched_tokens for the long ones)."""
