@@ -248,10 +248,13 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ distributions
-def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int = 1) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int = 1,
+                   argmax: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax of ``logits`` ``[S * rows_per_seq, V]`` at each row's
     temperature, restricted to its top-k then top-p set (the same rule as
-    the DFlash reference). Greedy rows come back as one-hot argmax."""
+    the DFlash reference). Greedy rows come back as one-hot argmax (pass
+    ``argmax`` ``[S * rows_per_seq]`` where the caller has it: it is a
+    full pass over the vocabulary)."""
     expand = (lambda t: t.repeat_interleave(rows_per_seq)) if rows_per_seq > 1 else (lambda t: t)
     temp, top_p, top_k = expand(st.temperature), expand(st.top_p), expand(st.top_k)
     greedy = temp == 0
@@ -265,7 +268,8 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int 
         filters = ((top_k > 0) & (top_k < V)) | (top_p < 1)
         probs = torch.where(filters[:, None], _top_k_top_p(scores, top_k, top_p), probs)
     # Unconditional: testing greedy.any() would wait for the device.
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    argmax = logits.argmax(-1) if argmax is None else argmax
+    onehot = torch.zeros_like(probs).scatter_(-1, argmax.reshape(-1, 1), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
 
 
@@ -307,7 +311,7 @@ def sample_draft_tokens(
     if st.all_greedy:
         return argmax, None, None
     _check_width(st, G)
-    probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G)
+    probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G, argmax=argmax)
     idx, q = sparse_draft(probs, top_k_sparse)
     u = st.uniforms[STREAM_DRAFT - 1, :, :G].reshape(-1)
     choice = sample_inverse_cdf(q, u)
@@ -362,7 +366,7 @@ def verify(
         return VerifyResult(n_greedy, argmax[rows, n_greedy])
 
     _check_width(st, G1)
-    p = filtered_probs(target_logits.reshape(S * G1, V), st, rows_per_seq=G1).view(S, G1, V)
+    p = filtered_probs(target_logits.reshape(S * G1, V), st, rows_per_seq=G1, argmax=argmax).view(S, G1, V)
     if G > 0:
         p_d = p[:, :G].gather(-1, draft_tokens[:, :G, None]).squeeze(-1)
         q_d = (draft_q * (draft_idx == draft_tokens[:, :G, None])).sum(-1)
