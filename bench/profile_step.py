@@ -1,6 +1,6 @@
 """Where a decode step's time goes: wall time per step, GPU busy time per
 step, and the host-side work around the model passes, for the speculative
-engine and the same engine without a drafter (batch 1, one prompt).
+engine and the same engine without a drafter (one prompt, batch 1 or ``--batch-size`` copies).
 
     python bench/profile_step.py --target DIR --drafter DIR --cuda-graphs --out prof.json
 """
@@ -17,10 +17,10 @@ from torch.profiler import ProfilerActivity, profile
 from specray import LLM, SamplingParams
 
 
-def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0) -> dict:
+def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0, batch_size: int = 1) -> dict:
     core = llm.engine
-    params = SamplingParams(temperature=temperature, seed=0, max_tokens=10_000, ignore_eos=True)
-    core.add_request(prompt, params)
+    for i in range(batch_size):
+        core.add_request(prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=10_000, ignore_eos=True))
     for _ in range(8):  # prefill + warm-up (graph capture)
         core.step()
     torch.cuda.synchronize()
@@ -30,9 +30,10 @@ def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0) 
             core.step()
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    req = next(iter(core.requests.values()))
-    acc = req.metrics.acceptance_lengths[-steps:]
-    core.abort_request(req.request_id)
+    acc = []
+    for req in list(core.requests.values()):
+        acc += req.metrics.acceptance_lengths[-steps:]
+        core.abort_request(req.request_id)
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time for e in kernels)
@@ -55,7 +56,7 @@ def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0) 
         "graph_launches_per_step": round(graph_launches / steps, 2),
         "memcpy_calls_per_step": round(copies / steps, 1),
         "mean_acceptance_length": round(sum(acc) / max(len(acc), 1), 3),
-        "ms_per_token": round(1000 * wall / max(sum(acc), 1), 3),
+        "ms_per_token": round(1000 * wall / max(sum(acc), 1), 3),  # over the batch's tokens
         "gpu_kernels_per_step": round(len(kernels) / steps, 1),
         "kernels_by_gpu_time": [
             {"name": name[:120], "per_step": round(len(ts) / steps, 2), "us_per_step": round(sum(ts) / steps, 1),
@@ -74,14 +75,15 @@ def main(argv=None):
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    res = {"temperature": args.temperature}
+    res = {"temperature": args.temperature, "batch_size": args.batch_size}
     for name, drafter in (("spec", args.drafter), ("ar", None)):
-        llm = LLM(args.target, drafter, device="cuda", cuda_graphs=args.cuda_graphs, max_num_seqs=8,
+        llm = LLM(args.target, drafter, device="cuda", cuda_graphs=args.cuda_graphs, max_num_seqs=max(8, args.batch_size),
                   async_scheduling=args.async_scheduling, gpu_memory_utilization=0.3)
-        res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature)
+        res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature, args.batch_size)
         del llm
         torch.cuda.empty_cache()
     for name in ("spec", "ar"):

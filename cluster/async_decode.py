@@ -3,23 +3,25 @@ the device, before the host has read them.
 
 A synchronous step leaves the GPU idle while the host builds the next
 batch, launches it and, after the one sync, applies the tokens (detokenize,
-stop checks, bookkeeping). For a decode-only greedy batch of full verify
-blocks nothing in step n+1's inputs needs the host: each row's block
-starts at ``start + num_accepted + 1`` and opens with the bonus token, and
-the positions, slots (from block tables reserved two blocks ahead) and
+stop checks, bookkeeping). For a decode-only batch of full verify blocks
+nothing in step n+1's inputs needs the host: each row's block starts at
+``start + num_accepted + 1`` and opens with the bonus token, and the
+positions, slots (from block tables reserved two blocks ahead) and
 sequence lengths follow on the device. So the engine enqueues step n+1
 (one graph replay: propose, verify, accept, context store;
 actors/step_graph.py) and only then waits for step n's results, which it
 applies while the GPU runs step n+1.
 
-Tokens do not change: every row still emits exactly what the synchronous
-step would (greedy verification keeps the target's argmax chain, whatever
-the drafts). A row whose request finishes while its next step is in flight
-has that step's results dropped. The engine drains back to synchronous
-steps whenever the set of rows must change (a finish, an admission that
-fits, a sampled request, a length limit within two blocks, no room to
-reserve). Prompt-lookup drafts come from a copy of each row's tokens on the
-device, which the graph extends as it accepts them.
+Tokens do not change: every row emits exactly what the synchronous step
+would. Its drafts are the same (prompt lookups run over a copy of the
+row's tokens on the device, which the graph extends as it accepts them),
+sampled rows draw the same counter-based uniforms (hashed on the device
+from the device's positions), and a row near its max_tokens verifies the
+same cut-short block (its emit budget lives on the device). A row whose
+request finishes while its next step is in flight has that step's results
+dropped. The engine drains back to synchronous steps whenever the set of
+rows must change (a finish, an admission that fits, a length limit within
+two blocks, no room to reserve).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="replay decode steps from CUDA graphs (the default on a GPU; off CUDA: the same padded path)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action="store_true",
-                   help="launch greedy decode steps from the previous step's device results (both engines)")
+                   help="launch decode steps from the previous step's device results (both engines)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
 

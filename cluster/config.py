@@ -330,11 +330,12 @@ class EngineConfig:
     # 6x fewer tokens/s at batch 1 on the H200). Off CUDA, True runs the
     # same padded static-shaped path eagerly, which is how CPU tests cover it.
     cuda_graphs: bool | None = None
-    # Launch a decode-only greedy step as one graph from the previous step's
+    # Launch a decode-only step as one graph from the previous step's
     # results on the device, before the host reads them (async_decode.py,
-    # step_graph.py); such steps use no prompt-lookup drafts. Needs
-    # cuda_graphs, a target at TP 1 and the drafter in its process. Off CUDA
-    # it runs the same path synchronously, which is how CPU tests cover it.
+    # step_graph.py): the same tokens as synchronous steps, greedy or
+    # sampled, prompt lookups included. Needs cuda_graphs, a target at TP 1
+    # and the drafter in its process. Off CUDA it runs the same path
+    # synchronously, which is how CPU tests cover it.
     async_scheduling: bool = False
     extra: dict = field(default_factory=dict)
 

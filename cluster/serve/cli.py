@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--eager", action="store_true",
                    help="no CUDA graphs (on a GPU, decode steps and lone prefills replay from graphs by default)")
     m.add_argument("--async-scheduling", action="store_true",
-                   help="launch each greedy decode step before the previous one is read (needs graphs)")
+                   help="launch each decode step before the previous one is read (needs graphs)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="HTTP port")
