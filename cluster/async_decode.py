@@ -3,8 +3,8 @@ the device, before the host has read them.
 
 A synchronous step leaves the GPU idle while the host builds the next
 batch, launches it and, after the one sync, applies the tokens (detokenize,
-stop checks, bookkeeping). For a decode-only batch of full verify blocks
-nothing in step n+1's inputs needs the host: each row's block starts at
+stop checks, bookkeeping). For a decode-only batch nothing in step n+1's
+inputs needs the host: each row's block starts at
 ``start + num_accepted + 1`` and opens with the bonus token, and the
 positions, slots (from block tables reserved two blocks ahead) and
 sequence lengths follow on the device. So the engine enqueues step n+1
@@ -54,7 +54,9 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
     """Enqueue one step graph replay (actors/step_graph.py) for
     ``requests``: a first step loads each row's start and last token from
     the host, a chained one continues from the previous replay's. Blocks
-    must be reserved through ``start + B`` positions."""
+    must be reserved through each row's block (``start + B``, or its
+    cut-short end: the rows past that end write K/V nothing reads, into
+    the row's last block or the reserved block 0)."""
     params = [r.params for r in requests]
     vocab = core.target_spec.vocab_size
     mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
@@ -65,7 +67,9 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
         inputs["start"] = torch.tensor([r.num_computed for r in requests], dtype=torch.int64)
         inputs["last"] = torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
         inputs["real"] = torch.ones(len(requests), dtype=torch.bool)
-        inputs["budget"] = torch.tensor([r.params.max_tokens - len(r.output_token_ids) for r in requests])
+        # Both bounds of the scheduler's (max_tokens, max_model_len) fall by
+        # the tokens each step emits, so the device keeps it exact.
+        inputs["budget"] = torch.tensor([core.scheduler.emit_budget(r) for r in requests])
         if mode != "greedy":
             st = SamplingTensors.build(params, [r.seed for r in requests], inputs["start"].tolist(), 0,
                                        vocab_size=vocab)

@@ -112,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [text for _, text in rows]
     block = spec.engine.block_size
     # Warm both engines outside the timed runs: every prompt's prefill (a
-    # graph per padded length), and a request long enough for asynchronous
+    # graph per padded length), and a batch long enough for asynchronous
     # steps at every temperature (the sampling path and the step graph
-    # compile kernels of their own on first use).
+    # compile kernels of their own on first use), whose rows finish one by
+    # one so that every padded batch size is captured.
+    group = prompts[: args.batch_size]
     for eng in (spec, ar):
         eng.generate(prompts, SamplingParams(max_tokens=1))
         for temp in sorted(set(args.temperatures) | {0.0}):
-            eng.generate(prompts[:1], SamplingParams(max_tokens=4 * block, temperature=temp, seed=args.seed,
-                                                     ignore_eos=True))
+            eng.generate(group, [SamplingParams(max_tokens=4 * block + 8 * i, temperature=temp, seed=args.seed,
+                                                ignore_eos=True) for i in range(len(group))])
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
                "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
                "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}

@@ -282,12 +282,12 @@ class EngineCore:
 
     # ------------------------------------------------------ asynchronous steps
     def _async_eligible(self, plan) -> bool:
-        """A decode-only step of full blocks, with the target (TP 1)
-        and the drafter in this process, may start a chain of asynchronous
-        steps."""
+        """A decode-only step, with the target (TP 1) and the drafter in
+        this process, may start a chain of asynchronous steps (a row's
+        cut-short block is cut on the device, by its emit budget)."""
         if not self.config.async_scheduling or self.config.sync_timing or plan.prefill or plan.preempted:
             return False
-        if not plan.decode or any(d.block_len != self.block_size for d in plan.decode):
+        if not plan.decode:
             return False
         if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
                 not all(d.request.params.greedy for d in plan.decode):

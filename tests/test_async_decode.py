@@ -144,8 +144,13 @@ def test_sampled_async_steps_equal_sync_steps(models, drafter):
     for rows, graphs in (([0, 1], {"sampled"}), ([0, 1, 2, 3], {"filtered"})):
         sync = run(engine(models, drafter, False), [ps[i] for i in rows], [params[i] for i in rows])
         eng = engine(models, drafter, True)
+        sync_plans = []
+        sync_step = eng._sync_step
+        eng._sync_step = lambda plan, t0: sync_plans.append(plan) or sync_step(plan, t0)
         got = run(eng, [ps[i] for i in rows], [params[i] for i in rows])
         assert eng.num_async_steps > 10 and graphs <= set(eng._step_graphs)
+        # Every decode step ran async, the cut-short last blocks too.
+        assert all(p.prefill and not p.decode for p in sync_plans), [len(p.decode) for p in sync_plans]
         for rid in map(str, range(len(rows))):
             assert got[rid].token_ids == sync[rid].token_ids, (rows, rid)
             assert got[rid].metrics.acceptance_lengths == sync[rid].metrics.acceptance_lengths, (rows, rid)
