@@ -1,4 +1,4 @@
-"""One CUDA graph for a whole decode step of full verify blocks:
+"""One CUDA graph for a whole decode step:
 drafter propose, target verify, acceptance, drafter context store, and the
 next step's inputs, with the target and the drafter in this process.
 
@@ -93,8 +93,9 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         tables = bufs["target_tables"][:n]
         positions = start[:, None] + rows_arange  # [n, B]
         st = sampling_tensors(n, start)
-        # A row within a block of its max_tokens verifies a shorter block,
-        # which the drafter sees too (its block attends both ways).
+        # A row within a block of its emit budget (max_tokens, max_model_len)
+        # verifies a shorter block, which the drafter sees too (its block
+        # attends both ways).
         block_len = (bufs["budget"][:n] + 1).clamp(1, B)
         draft_idx = draft_q = None
         if drafter is not None:
