@@ -39,7 +39,8 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, kv_block_size: int) 
 
 def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
                       mask_token_id: int | None, lookup: tuple[int, int] | None = None,
-                      sampling: str = "greedy", draft_top_k: int = 64) -> DecodeGraphs:
+                      sampling: str = "greedy", draft_top_k: int = 64,
+                      shared: dict[str, torch.Tensor] | None = None) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (a TargetWorker,
     TP 1) and ``drafter`` (a DrafterWorker or None). Inputs: ``start`` and
     ``last`` (a first step only), ``real`` (1 for the batch's rows),
@@ -53,7 +54,11 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     ``[S]`` and ``keys`` ``[S, 3]`` (``sampling.seed_keys``) on a first
     step, and draw each step's uniforms from the rows' starts on the
     device. Lookups draft for greedy rows only. Output: ``[S, B + 2]`` rows
-    of (num_accepted, bonus, drafted by lookup, B - 1 drafts)."""
+    of (num_accepted, bonus, drafted by lookup, B - 1 drafts).
+
+    ``shared``: input buffers of the other sampling kinds' graphs, reused
+    by name (one chain runs at a time, and a chain's first step uploads
+    every input), so the token history and tables exist once."""
     dev, B, G = target.device, block_size, block_size - 1
     width = -(-(target.max_model_len + 2 * B) // kv_block_size)
     bufs = {
@@ -72,6 +77,8 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         bufs["top_p"] = torch.ones(max_seqs, dtype=torch.float32, device=dev)
         bufs["top_k"] = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
         bufs["keys"] = torch.zeros(max_seqs, 3, dtype=torch.int64, device=dev)
+    if shared is not None:
+        bufs = {name: shared.setdefault(name, buf) for name, buf in bufs.items()}
     # Padding rows: block 0, positions from 0, their state reset every step.
     pad = dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {})
     rows_arange = torch.arange(B, device=dev)

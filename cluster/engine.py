@@ -126,6 +126,7 @@ class EngineCore:
         self.last_step = StepStats()
         self._inflight: InflightStep | None = None  # an asynchronous step not yet applied
         self._step_graphs = {}
+        self._step_buffers: dict[str, torch.Tensor] = {}  # inputs the step graphs of every sampling kind share
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
 
@@ -307,7 +308,7 @@ class EngineCore:
                 self.drafter_spec.mask_token_id if self.drafter_spec else None,
                 lookup=(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
                 if self.config.prompt_lookup_min else None,
-                sampling=sampling, draft_top_k=self.config.draft_top_k,
+                sampling=sampling, draft_top_k=self.config.draft_top_k, shared=self._step_buffers,
             )
         return self._step_graphs[sampling]
 
