@@ -103,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         print("specray bench: a drafter is needed (--drafter DIR)", file=sys.stderr)
         return 2
     # Two engines share the device: each takes a part of its memory.
+    from specray.config import TargetSpec
+
     graphs = False if args.eager else (True if args.cuda_graphs else None)
-    mem = dict(max_model_len=args.max_model_len or 4096, gpu_memory_utilization=0.4, cuda_graphs=graphs,
+    max_len = args.max_model_len or min(4096, TargetSpec.from_dir(target).max_position_embeddings)
+    mem = dict(max_model_len=max_len, gpu_memory_utilization=0.4, cuda_graphs=graphs,
                async_scheduling=args.async_scheduling, max_num_seqs=max(8, args.batch_size))
     spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)

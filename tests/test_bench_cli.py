@@ -16,7 +16,7 @@ def test_bench_reports_both_engines(tmp_path):
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "a b c d " * (i + 1)}) + "\n" for i in range(3)))
     out = tmp_path / "r.json"
     argv = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--prompts", str(prompts),
-            "--max-tokens", "24", "--max-model-len", "256", "--batch-size", "2", "--cuda-graphs", "--async-scheduling", "--out", str(out)]
+            "--max-tokens", "24", "--batch-size", "2", "--cuda-graphs", "--async-scheduling", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["async_scheduling"] and report["batch_size"] == 2
