@@ -339,8 +339,11 @@ class EngineCore:
         for r, (a, bonus, looked_up, drafts) in zip(step.requests, step.read()):
             if r.finished:
                 continue
+            # The block the graph verified, cut by the emit budget as the
+            # host's view stood when the step was launched (it is now).
+            num_drafts = min(G, self.scheduler.emit_budget(r))
             produced = self._append(r, drafts[:a] + [bonus])
-            r.metrics.record_step(G, min(a, produced), produced)
+            r.metrics.record_step(num_drafts, min(a, produced), produced)
             r.metrics.num_lookup_steps += looked_up
             if not r.finished:
                 computed = r.num_computed + a + 1
