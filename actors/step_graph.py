@@ -14,11 +14,11 @@ The accepted rows' context is stored at the end of the same replay: the
 acceptance counts are known on the device by then, and a rejected row's
 slot becomes the reserved slot 0, as in a synchronous graphed step.
 
-With prompt lookup on, each row's tokens live in a device buffer too
-(uploaded when a chain starts, extended by every replay with its accepted
-tokens), so a row whose suffix occurred before drafts what followed it,
-by the synchronous steps' rule (kernels/lookup.py), in place of the
-drafter's drafts.
+With prompt lookup on, each request's tokens live in a row of a device
+buffer too (the host uploads what the row lacks when a chain starts; every
+replay writes its accepted tokens), so a row whose suffix occurred before
+drafts what followed it, by the synchronous steps' rule
+(kernels/lookup.py), in place of the drafter's drafts.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     ``target_tables`` / ``draft_tables`` ``[S, W]``, ``budget`` (a first
     step only: tokens each row may still emit; a block verifies at most
     ``budget - 1`` drafts, as a synchronous step cuts it), and with ``lookup``
-    (min_n, max_n; needs the drafter) ``history`` ``[S, start + 1]`` (a
-    first step only: the rows' tokens). ``sampling``: "greedy" (every row),
+    (min_n, max_n; needs the drafter) ``slot`` (a first step only: each
+    row's row of the ``history`` buffer ``[max_seqs + 1, W]``, which the
+    caller keeps filled with the rows' tokens; the last row takes the
+    padding rows' writes). ``sampling``: "greedy" (every row),
     "sampled" (some rows sample; none filters by top-k / top-p) or
     "filtered"; the last two take ``temperature``, ``top_p``, ``top_k``
     ``[S]`` and ``keys`` ``[S, 3]`` (``sampling.seed_keys``) on a first
@@ -71,7 +73,8 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     if drafter is not None:
         bufs["draft_tables"] = torch.zeros(max_seqs, width, dtype=torch.int32, device=dev)
     if drafter is not None and lookup:
-        bufs["history"] = torch.zeros(max_seqs, width * kv_block_size, dtype=torch.int64, device=dev)
+        bufs["slot"] = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        bufs["history"] = torch.zeros(max_seqs + 1, width * kv_block_size, dtype=torch.int64, device=dev)
     if sampling != "greedy":
         bufs["temperature"] = torch.zeros(max_seqs, dtype=torch.float32, device=dev)
         bufs["top_p"] = torch.ones(max_seqs, dtype=torch.float32, device=dev)
@@ -80,7 +83,7 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     if shared is not None:
         bufs = {name: shared.setdefault(name, buf) for name, buf in bufs.items()}
     # Padding rows: block 0, positions from 0, their state reset every step.
-    pad = dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {})
+    pad = dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {}) | ({"slot": max_seqs} if "slot" in bufs else {})
     rows_arange = torch.arange(B, device=dev)
     all_rows = torch.arange(max_seqs * B, device=dev)
     query_start_loc = torch.arange(0, max_seqs * B + 1, B, dtype=torch.int64, device=dev)
@@ -113,7 +116,8 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
             drafts, draft_idx, draft_q = sample_draft_tokens(drafter.model.logits(hidden[:, 1:]), st, draft_top_k)
             looked_up = torch.zeros(n, dtype=torch.bool, device=dev)
             if lookup:
-                found_drafts, looked_up = ngram_lookup(bufs["history"][:n], start + 1, lookup[0], lookup[1], G)
+                history = bufs["history"].index_select(0, bufs["slot"][:n])
+                found_drafts, looked_up = ngram_lookup(history, start + 1, lookup[0], lookup[1], G)
                 looked_up = looked_up & (block_len > 1)
                 if sampling != "greedy":
                     looked_up = looked_up & (st.temperature == 0)
@@ -138,7 +142,7 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
                 # the bonus (what lies past it is rewritten before it is read).
                 emitted = torch.where(rows_arange[None] < num_accepted[:, None],
                                       torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])
-                bufs["history"][:n].scatter_(1, positions + 1, emitted)
+                bufs["history"].index_put_((bufs["slot"][:n, None].expand(n, B), positions + 1), emitted)
         out = torch.cat([num_accepted[:, None], bonus[:, None], looked_up[:, None].long(), drafts], 1)
         start.copy_(torch.where(real, start + num_accepted + 1, 0))
         last.copy_(torch.where(real, bonus, 0))

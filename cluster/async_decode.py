@@ -32,7 +32,7 @@ import torch
 
 from specray.actors.kv_cache import block_table_tensor
 from specray.request import Request
-from specray.sampling import SamplingTensors, any_filter, seed_keys
+from specray.sampling import SamplingTensors, any_filter, host_to_device, seed_keys
 
 
 @dataclass
@@ -48,6 +48,43 @@ class InflightStep:
         if self.ready is not None:
             self.ready.synchronize()
         return [(r[0], r[1], bool(r[2]), r[3:]) for r in self.results.tolist()]
+
+
+class HistorySlots:
+    """Which row of the step graphs' token history (``[num_slots + 1, W]``
+    on the device) holds which request, and the tokens each row lacks.
+
+    A row keeps its request's tokens across chains: the graph writes every
+    token it accepts there, and before a chain starts the host uploads only
+    what was added since the previous chain's start (prefill, synchronous
+    steps; the host's tokens are the truth, so re-sending a few the device
+    already has is harmless). Rows of requests no longer running are
+    reclaimed at each chain start, so ``num_slots = max_num_seqs`` suffice.
+    """
+
+    def __init__(self, num_slots: int):
+        self.owners: list[Request | None] = [None] * num_slots
+
+    def prepare(self, requests: list[Request], running: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's row ``[S]``, and the uploads ``[3, N]`` (row,
+        position, token) that bring the rows up to the host's tokens."""
+        alive = {id(r) for r in running}
+        for i, owner in enumerate(self.owners):
+            if owner is not None and id(owner) not in alive:
+                owner.history_slot, owner.history_on_device = None, 0
+                self.owners[i] = None
+        slots, uploads = [], []
+        for r in requests:
+            if r.history_slot is None:
+                r.history_slot = self.owners.index(None)
+                self.owners[r.history_slot] = r
+            tokens = r.all_token_ids
+            k = r.history_on_device
+            uploads.append(torch.stack([torch.full((len(tokens) - k,), r.history_slot),
+                                        torch.arange(k, len(tokens)), torch.tensor(tokens[k:], dtype=torch.int64)]))
+            r.history_on_device = len(tokens)
+            slots.append(r.history_slot)
+        return torch.tensor(slots, dtype=torch.int64), torch.cat(uploads, 1)
 
 
 def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
@@ -76,11 +113,10 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
             inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
                        "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
         if "history" in graphs.buffers:
-            tokens = [r.all_token_ids for r in requests]
-            history = torch.zeros(len(tokens), max(map(len, tokens)), dtype=torch.int64)
-            for i, t in enumerate(tokens):
-                history[i, : len(t)] = torch.tensor(t)
-            inputs["history"] = history
+            inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
+            if uploads.shape[1]:
+                rows, cols, tokens = host_to_device(uploads, dev)
+                graphs.buffers["history"].index_put_((rows, cols), tokens)
     # Tables change only when a row crosses into a new block: upload them then.
     tables = [r.target_blocks.blocks for r in requests]
     if not chained or tables != core.uploaded_tables:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import BlockAllocator, block_table_tensor
-from specray.async_decode import InflightStep, launch_decode
+from specray.async_decode import HistorySlots, InflightStep, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import (
     detokenize_step,
@@ -127,6 +127,7 @@ class EngineCore:
         self._inflight: InflightStep | None = None  # an asynchronous step not yet applied
         self._step_graphs = {}
         self._step_buffers: dict[str, torch.Tensor] = {}  # inputs the step graphs of every sampling kind share
+        self.history_slots = HistorySlots(self.config.max_num_seqs)  # requests' rows of the graphs' token history
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
 

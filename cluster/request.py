@@ -90,6 +90,10 @@ class Request:
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     lookup_index: NgramIndex | None = None  # prompt-lookup drafts (prompt_lookup.py), built on first use
+    # Its row of the async step graphs' token history, and how many of its
+    # tokens that row holds for sure (async_decode.HistorySlots).
+    history_slot: int | None = None
+    history_on_device: int = 0
     # Detokenizer state (see detokenizer.py).
     text: str = ""
     sent_text_len: int = 0

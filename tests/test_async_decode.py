@@ -118,13 +118,16 @@ def test_async_lookups_draft_what_sync_lookups_draft(models):
     host's index, so the same acceptance lengths and lookup counts."""
     g = torch.Generator().manual_seed(5)
     motif = torch.randint(2, 319, (5,), generator=g).tolist()
-    ps = [motif * 4, prompts()[0] * 3, motif + prompts()[1] + motif[:3]]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (50, 40, 45)]
-    sync = run(engine(models, True, False), ps, params)
+    ps = [motif * 4, prompts()[0] * 3, motif + prompts()[1] + motif[:3], motif[::-1] * 3]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (50, 40, 45, 12)]
+    # Request 3 finishes early and request 2 joins later: rows of the
+    # device history are reclaimed and reused across chains.
+    joins = {2: 12}
+    sync = run(engine(models, True, False), ps, params, joins)
     eng = engine(models, True, True)
-    got = run(eng, ps, params)
+    got = run(eng, ps, params, joins)
     assert eng.num_async_steps > 10
-    for rid in "012":
+    for rid in "0123":
         assert got[rid].token_ids == sync[rid].token_ids
         assert got[rid].metrics.acceptance_lengths == sync[rid].metrics.acceptance_lengths, rid
         assert got[rid].metrics.num_lookup_steps == sync[rid].metrics.num_lookup_steps, rid
