@@ -335,14 +335,13 @@ class EngineCore:
         """Apply an asynchronous step's tokens. With the next step in flight
         its blocks stay reserved; rows of requests that finished meanwhile
         are dropped."""
-        G = self.block_size - 1
         outputs = []
         for r, (a, bonus, looked_up, drafts) in zip(step.requests, step.read()):
             if r.finished:
                 continue
-            # The block the graph verified, cut by the emit budget as the
-            # host's view stood when the step was launched (it is now).
-            num_drafts = min(G, self.scheduler.emit_budget(r))
+            # The block the graph verified, cut as the scheduler cuts it from
+            # the host's view when the step was launched (it is now).
+            num_drafts = self.scheduler.block_len(r) - 1
             produced = self._append(r, drafts[:a] + [bonus])
             r.metrics.record_step(num_drafts, min(a, produced), produced)
             r.metrics.num_lookup_steps += looked_up

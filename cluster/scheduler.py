@@ -101,6 +101,11 @@ class Scheduler:
             self.max_model_len - req.num_tokens,
         )
 
+    def block_len(self, req: Request) -> int:
+        """Rows a decode step verifies for ``req``: its last token and up to
+        block_size - 1 drafts, no more than it may still emit."""
+        return min(self.block_size, self.emit_budget(req) + 1)
+
     # ------------------------------------------------------------- planning
     def reserve(self, req: Request, num_positions: int) -> bool:
         """Room for ``num_positions`` in both pools, or False (and nothing
@@ -131,7 +136,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status != Status.RUNNING or req.is_prefilling:
                 continue
-            block_len = min(self.block_size, self.emit_budget(req) + 1)
+            block_len = self.block_len(req)
             if block_len > budget:
                 break
             while not self.reserve(req, req.num_computed + block_len):
