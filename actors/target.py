@@ -197,7 +197,7 @@ class TargetWorker:
 
     @torch.inference_mode()
     def execute(self, batch: TargetBatch) -> torch.Tensor | None:
-        """Logits ``[len(batch.logits_indices), vocab]`` (fp32, on this
+        """Logits ``[len(batch.logits_indices), vocab]`` (model dtype, on this
         worker's device) on rank 0, None elsewhere."""
         if self.graphs is not None and batch.uniform_rows == self.graph_q_len and \
                 batch.attn.seq_lens.shape[0] <= self.graphs.max_seqs:

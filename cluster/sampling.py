@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specray.kernels import ops
+
 STREAM_DRAFT = 1  # drafter samples a draft token
 STREAM_ACCEPT = 2  # accept / reject a draft token
 STREAM_TOKEN = 3  # target samples an emitted token (bonus, residual, AR)
@@ -268,7 +270,7 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int 
         filters = ((top_k > 0) & (top_k < V)) | (top_p < 1)
         probs = torch.where(filters[:, None], _top_k_top_p(scores, top_k, top_p), probs)
     # Unconditional: testing greedy.any() would wait for the device.
-    argmax = logits.argmax(-1) if argmax is None else argmax
+    argmax = ops.argmax(logits) if argmax is None else argmax
     onehot = torch.zeros_like(probs).scatter_(-1, argmax.reshape(-1, 1), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
 
@@ -307,7 +309,7 @@ def sample_draft_tokens(
     ``q`` whose ``(indices, probs)`` ``[S, G, K]`` are returned for
     verification."""
     S, G, V = logits.shape
-    argmax = logits.argmax(-1)
+    argmax = ops.argmax(logits)
     if st.all_greedy:
         return argmax, None, None
     _check_width(st, G)
@@ -359,7 +361,7 @@ def verify(
     i = torch.arange(G, device=device)[None]
     real = i < num_drafts[:, None]
     rows = torch.arange(S, device=device)
-    argmax = target_logits.argmax(-1)  # [S, G+1]
+    argmax = ops.argmax(target_logits)  # [S, G+1]
     match = (draft_tokens[:, :G] == argmax[:, :G]) & real
     n_greedy = match.int().cumprod(-1).sum(-1)
     if st.all_greedy:

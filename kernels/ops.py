@@ -17,8 +17,9 @@ try:  # triton is optional: CPU installs run the references
     from specray.kernels import attention_triton as _triton
     from specray.kernels import fused_triton as _fused
     from specray.kernels import lookup_triton as _lookup
+    from specray.kernels import argmax_triton as _argmax
 except Exception:  # ImportError, or a triton that cannot initialise here
-    _triton = _fused = _lookup = None
+    _triton = _fused = _lookup = _argmax = None
 
 # The fused elementwise kernels copy the reference's roundings in 16-bit
 # dtypes; fp32 runs the references, so fp32 on a GPU gives the CPU's bits
@@ -61,9 +62,15 @@ def silu_mul(gate_up):
     return (_fused.silu_mul if _fused_ok(gate_up) else fused.silu_mul)(gate_up)
 
 
+def argmax(x):
+    """``x.argmax(-1)``: on a GPU a chunked kernel (a row per SM is slow
+    for a handful of vocabulary-long rows)."""
+    return _argmax.argmax(x) if _argmax is not None and x.is_cuda and x.shape[-1] > 0 else x.argmax(-1)
+
+
 def ngram_lookup(history, lengths, min_n, max_n, k):
     fn = _lookup.ngram_lookup if _lookup is not None and history.is_cuda else ngram_lookup_ref
     return fn(history, lengths, min_n, max_n, k)
 
 
-__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul", "ngram_lookup"]
+__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul", "argmax", "ngram_lookup"]

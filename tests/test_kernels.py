@@ -406,3 +406,30 @@ def test_rewritten_inputs_interp():
     dflash_rounds = [([10, 90], [16, 16]), ([150, 0], [3, 16])]
     _graph_roundtrip(_kernels(), "cpu", torch.float32, paged_rounds, dflash_rounds, num_blocks=40, width=12,
                      kv_heads=1, group=4, head_dim=64)
+
+
+# ------------------------------------------------------------------ argmax
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 49152), (16, 49152), (8, 16, 49152), (3, 4097), (5, 100), (4, 151936)])
+def test_argmax_gpu(dtype, shape):
+    from specray.kernels.argmax_triton import argmax
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    rows = x.view(-1, shape[-1])
+    V = shape[-1]
+    # Ties inside a chunk, across chunks, and a row of -inf: the lowest index wins.
+    rows[0, V // 3] = rows[0, V - 1] = rows[0, 1] = 100.0
+    if rows.shape[0] > 1:
+        rows[1] = float("-inf")
+    if rows.shape[0] > 2:
+        rows[2, V - 1] = rows[2, V - 2] = 50.0
+    assert torch.equal(argmax(x), x.argmax(-1))
+    # A strided view (block rows after the anchor) and a transposed one.
+    if len(shape) == 3:
+        assert torch.equal(argmax(x[:, 1:]), x[:, 1:].argmax(-1))
+    t = x.view(-1, V)[:, :64].t()
+    assert torch.equal(argmax(t), t.argmax(-1))

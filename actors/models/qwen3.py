@@ -153,7 +153,8 @@ class TargetModel:
         """Run ``input_ids`` ``[num_tokens]`` through the model, writing their
         K/V into ``kv_cache`` ``[L, 2, blocks, block_size, kv_heads, D]``.
 
-        Returns ``logits`` ``[len(logits_indices), vocab]`` (fp32) and
+        Returns ``logits`` ``[len(logits_indices), vocab]`` (model dtype:
+        sampling casts, an argmax needs no cast) and
         ``hidden_tapped`` ``[num_tokens, len(tap_layer_ids) * H]``: the output
         of each listed decoder layer, concatenated in the order listed (the
         last layer's output is taken after the final norm, as HF's
@@ -161,7 +162,7 @@ class TargetModel:
         D = self.head_dim
         nq, nkv = self.num_q_heads, self.num_kv_heads
         eps = self.spec.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed[input_ids]  # not F.embedding: its index_select walks the ids serially on a GPU
         rope = self.rotary.lookup(attn.positions, h.dtype)
         taps: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
@@ -205,5 +206,5 @@ class TargetModel:
         hidden_tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
         logits = None
         if logits_indices is not None:
-            logits = F.linear(h[logits_indices], self.lm_head).float()
+            logits = F.linear(h[logits_indices], self.lm_head)
         return logits, hidden_tapped
