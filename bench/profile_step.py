@@ -17,10 +17,12 @@ from torch.profiler import ProfilerActivity, profile
 from specray import LLM, SamplingParams
 
 
-def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0, batch_size: int = 1) -> dict:
+def profile_engine(llm: LLM, prompt: str, steps: int, temperature: float = 0.0, batch_size: int = 1,
+                   top_p: float = 1.0) -> dict:
     core = llm.engine
     for i in range(batch_size):
-        core.add_request(prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=10_000, ignore_eos=True))
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=10_000, ignore_eos=True)
+        core.add_request(prompt, params)
     for _ in range(8):  # prefill + warm-up (graph capture)
         core.step()
     torch.cuda.synchronize()
@@ -75,15 +77,16 @@ def main(argv=None):
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    res = {"temperature": args.temperature, "batch_size": args.batch_size}
+    res = {"temperature": args.temperature, "top_p": args.top_p, "batch_size": args.batch_size}
     for name, drafter in (("spec", args.drafter), ("ar", None)):
         llm = LLM(args.target, drafter, device="cuda", cuda_graphs=args.cuda_graphs, max_num_seqs=max(8, args.batch_size),
                   async_scheduling=args.async_scheduling, gpu_memory_utilization=0.3)
-        res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature, args.batch_size)
+        res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature, args.batch_size, args.top_p)
         del llm
         torch.cuda.empty_cache()
     for name in ("spec", "ar"):

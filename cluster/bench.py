@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampled runs (T > 0)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from CUDA graphs (the default on a GPU; off CUDA: the same padded path)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="launch decode steps from the previous step's device results (both engines)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
 
     from specray import LLM, SamplingParams
     from specray.cli import resolve_models
@@ -126,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             eng.generate([prompt], SamplingParams(max_tokens=1))
         for temp in sorted(set(args.temperatures) | {0.0}):
             eng.generate(group, [SamplingParams(max_tokens=4 * block + 8 * i, temperature=temp, seed=args.seed,
-                                                ignore_eos=True) for i in range(len(group))])
+                                                top_p=args.top_p, ignore_eos=True) for i in range(len(group))])
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
                "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
-               "max_tokens": args.max_tokens, "block_size": block, "by_temperature": {}}
+               "max_tokens": args.max_tokens, "block_size": block, "top_p": args.top_p, "by_temperature": {}}
     for temp in args.temperatures:
-        params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i)
+        params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i, top_p=args.top_p)
                   for i in range(len(prompts))]
         spec_outs, spec_s = run_engine(spec, prompts, params, args.batch_size)
         ar_outs, ar_s = run_engine(ar, prompts, params, args.batch_size)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specray.kernels import ops
 
@@ -260,44 +261,69 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int 
     expand = (lambda t: t.repeat_interleave(rows_per_seq)) if rows_per_seq > 1 else (lambda t: t)
     temp, top_p, top_k = expand(st.temperature), expand(st.top_p), expand(st.top_k)
     greedy = temp == 0
-    scores = logits.float() / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
-    probs = scores.softmax(-1)
+    safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
+    probs = (logits.float() / safe_temp[:, None]).softmax(-1)
     if st.any_filter:
         # Only the rows that filter take the sorted path: its float32
         # cumulative sum can reach top_p = 1 before the tail and drop it, and
         # a row's distribution must not depend on what its batch mates ask.
-        V = scores.shape[-1]
+        V = logits.shape[-1]
         filters = ((top_k > 0) & (top_k < V)) | (top_p < 1)
-        probs = torch.where(filters[:, None], _top_k_top_p(scores, top_k, top_p), probs)
+        probs = torch.where(filters[:, None], _top_k_top_p(logits, safe_temp, top_k, top_p), probs)
     # Unconditional: testing greedy.any() would wait for the device.
     argmax = ops.argmax(logits) if argmax is None else argmax
     onehot = torch.zeros_like(probs).scatter_(-1, argmax.reshape(-1, 1), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
 
 
-def _top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax restricted to the top-k (0: all), then to the smallest
-    prefix whose mass reaches top-p, renormalised."""
-    V = scores.shape[-1]
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    ranks = torch.arange(V, device=scores.device)[None]
+def _top_k_top_p(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``logits / temp`` restricted to the top-k (0: all), then
+    to the smallest prefix whose mass reaches top-p, renormalised."""
+    V = logits.shape[-1]
+    # Sorting the logits in their own dtype orders them as the scores (the
+    # temperature is positive) with half the radix passes of float32 in bf16.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_scores = sorted_logits.float() / temp[:, None]
+    ranks = torch.arange(V, device=logits.device)[None]
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     sorted_scores = sorted_scores.masked_fill(ranks >= k[:, None], float("-inf"))
     sorted_probs = sorted_scores.softmax(-1)
     # The most likely token always stays: a top_p that rounds to 0 in
     # float32 would otherwise keep nothing.
-    keep = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]) | (ranks == 0)
+    keep = ((cumsum_rows(sorted_probs) - sorted_probs) < top_p[:, None]) | (ranks == 0)
     sorted_probs = sorted_probs * keep
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
-def sparse_draft(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Restrict each row of ``probs`` ``[N, V]`` to its top ``k`` tokens and
-    renormalise: ``(indices [N, k] int64, q [N, k] fp32)``."""
-    k = min(k, probs.shape[-1])
-    q, idx = probs.topk(k, dim=-1)
-    return idx, q / q.sum(-1, keepdim=True)
+def cumsum_rows(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``x.cumsum(-1)`` for ``x`` ``[N, V]`` in two levels (within chunks of
+    ``chunk``, then the chunks' totals): a GPU scan of a few vocabulary-long
+    rows runs a row per block (62 us for 16 rows of 49 152 on the H200); the
+    chunks keep the whole GPU busy. Sums in another order than one scan."""
+    N, V = x.shape
+    if V <= chunk:
+        return x.cumsum(-1)
+    pad = (-V) % chunk
+    inner = F.pad(x, (0, pad)).view(N, -1, chunk).cumsum(-1)
+    totals = inner[:, :, -1]
+    before = totals.cumsum(-1) - totals
+    return (inner + before[:, :, None]).view(N, -1)[:, :V]
+
+
+def sparse_draft(logits: torch.Tensor, st: SamplingTensors, rows_per_seq: int,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft distribution of the rows ``logits`` ``[N, V]``: each row's
+    temperature softmax over its ``k`` most likely tokens, then the row's
+    top-k / top-p within those, renormalised: ``(indices [N, k] int64,
+    q [N, k] fp32)``. Rejection sampling is exact for any q; filtering after
+    the restriction spares the drafts the full-vocabulary softmax and sort
+    (the target's side still filters over the whole vocabulary)."""
+    k = min(k, logits.shape[-1])
+    top, idx = logits.topk(k, dim=-1)  # sorted: column 0 is the argmax
+    first = torch.zeros(top.shape[0], dtype=torch.long, device=top.device)
+    return idx, filtered_probs(top, st, rows_per_seq=rows_per_seq, argmax=first)
 
 
 def sample_draft_tokens(
@@ -313,8 +339,7 @@ def sample_draft_tokens(
     if st.all_greedy:
         return argmax, None, None
     _check_width(st, G)
-    probs = filtered_probs(logits.reshape(S * G, V), st, rows_per_seq=G, argmax=argmax)
-    idx, q = sparse_draft(probs, top_k_sparse)
+    idx, q = sparse_draft(logits.reshape(S * G, V), st, G, top_k_sparse)
     u = st.uniforms[STREAM_DRAFT - 1, :, :G].reshape(-1)
     choice = sample_inverse_cdf(q, u)
     sampled = idx.gather(-1, choice[:, None]).squeeze(-1).view(S, G)

@@ -1,5 +1,6 @@
 """``specray bench`` end to end on tiny random models: both engines, both
-temperatures, a batch of two, async steps; greedy outputs identical."""
+temperatures (the sampled one with top-p), a batch of two, async steps;
+greedy outputs identical."""
 
 import json
 
@@ -16,10 +17,11 @@ def test_bench_reports_both_engines(tmp_path):
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "a b c d " * (i + 1)}) + "\n" for i in range(3)))
     out = tmp_path / "r.json"
     argv = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--prompts", str(prompts),
-            "--max-tokens", "24", "--batch-size", "2", "--cuda-graphs", "--async-scheduling", "--out", str(out)]
+            "--max-tokens", "24", "--batch-size", "2", "--cuda-graphs", "--async-scheduling", "--top-p", "0.9",
+            "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["async_scheduling"] and report["batch_size"] == 2
+    assert report["async_scheduling"] and report["batch_size"] == 2 and report["top_p"] == 0.9
     greedy, sampled = report["by_temperature"]["0.0"], report["by_temperature"]["1.0"]
     assert greedy["token_identical_outputs"] == 3 and greedy["prompts"] == 3
     for r in (greedy, sampled):

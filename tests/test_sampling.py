@@ -11,10 +11,12 @@ from specray.sampling import (
     STREAM_TOKEN,
     SamplingParams,
     SamplingTensors,
+    cumsum_rows,
     filtered_probs,
     hash_uniform,
     host_uniforms,
     sample_draft_tokens,
+    sparse_draft,
     verify,
 )
 
@@ -166,3 +168,32 @@ def test_too_few_uniforms_is_an_error_not_a_broadcast():
         sample_draft_tokens(torch.randn(1, 3, 10), st, top_k_sparse=4)
     with pytest.raises(ValueError, match="cover 2 positions"):
         verify(torch.randn(1, 3, 10), torch.zeros(1, 2, dtype=torch.long), torch.tensor([2]), st)
+
+
+def test_cumsum_rows_is_a_cumulative_sum():
+    g = torch.Generator().manual_seed(0)
+    for V in (7, 256, 300, 1024, 6000):
+        x = torch.rand(3, V, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(cumsum_rows(x, chunk=256), x.cumsum(-1))
+
+
+def test_sparse_draft_filters_within_its_candidates():
+    """The draft distribution: the row's k most likely tokens at its
+    temperature, then its top-k / top-p among them (greedy rows: the argmax,
+    column 0)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=g) * 2
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=0.0)]
+    st = SamplingTensors.build(params, [0, 1, 2, 3], [0] * 4, 1)
+    idx, q = sparse_draft(logits, st, 1, 10)
+    top, want_idx = logits.topk(10, dim=-1)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(q.sum(-1), torch.ones(4))
+    torch.testing.assert_close(q[0], (top[0] / 0.8).softmax(-1))
+    row1 = top[1].softmax(-1)
+    kept = int(((row1.cumsum(-1) - row1) < 0.5).sum())
+    assert 0 < kept < 10 and (q[1] > 0).sum() == kept
+    torch.testing.assert_close(q[1, :kept], row1[:kept] / row1[:kept].sum())
+    assert (q[2] > 0).sum() == 3
+    assert q[3, 0] == 1 and q[3, 1:].sum() == 0
