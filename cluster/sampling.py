@@ -242,9 +242,10 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> t
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` ``[N, V]`` (need not be normalised),
-    driven by ``u`` ``[N]`` in (0, 1). A token of probability 0 is never
-    drawn."""
-    cdf = probs.double().cumsum(-1)
+    driven by ``u`` ``[N]`` in (0, 1). A token of probability 0 is not
+    drawn (short of ``u`` landing within a float64 rounding of the
+    cumulative sum, as with any parallel scan)."""
+    cdf = cumsum_rows(probs.double())
     x = (u * cdf[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, x).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
@@ -307,8 +308,7 @@ def cumsum_rows(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         return x.cumsum(-1)
     pad = (-V) % chunk
     inner = F.pad(x, (0, pad)).view(N, -1, chunk).cumsum(-1)
-    totals = inner[:, :, -1]
-    before = totals.cumsum(-1) - totals
+    before = F.pad(inner[:, :-1, -1].cumsum(-1), (1, 0))  # the chunks before each
     return (inner + before[:, :, None]).view(N, -1)[:, :V]
 
 
