@@ -131,7 +131,7 @@ class AsyncEngine:
             err = (await self.core.asubmit([(prompt, params or SamplingParams(), rid)]))[0]
             if err is not None:
                 finished = True
-                raise ValueError(err)
+                raise err
             self._ensure_pump()
             while True:
                 out = await queue.get()
@@ -190,9 +190,12 @@ def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[Req
     """Blocking batch generation through a core (in-process or Ray)."""
     ids = [uuid.uuid4().hex for _ in prompts]
     errors = core.submit(list(zip(prompts, params, ids)))
-    bad = [(i, e) for i, e in enumerate(errors) if e]
+    dead = next((e for e in errors if isinstance(e, RuntimeError)), None)
+    if dead is not None:
+        raise dead
+    bad = [(i, str(e)) for i, e in enumerate(errors) if e is not None]
     if bad:
-        core.abort([ids[i] for i, e in enumerate(errors) if not e])
+        core.abort([ids[i] for i, e in enumerate(errors) if e is None])
         raise PromptsRefused(bad)
     wanted = set(ids)
     done: dict[str, RequestOutput] = {}

@@ -38,7 +38,7 @@ from specray.detokenizer import (
     stop_holdback,
 )
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
-from specray.request import Request, RequestOutput
+from specray.request import PromptTooLong, Request, RequestOutput
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors, host_to_device, verify
 from specray.scheduler import DecodeItem, PrefillItem, Scheduler
@@ -160,7 +160,7 @@ class EngineCore:
         request_id = request_id or uuid.uuid4().hex
         prompt_text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len}, minus one token to generate)"
             )
@@ -178,7 +178,7 @@ class EngineCore:
             if self.tokenizer is None:
                 raise ValueError("the target checkpoint ships no tokenizer: pass token ids as the prompt")
             if len(prompt) > self.max_prompt_chars:
-                raise ValueError(
+                raise PromptTooLong(
                     f"prompt has {len(prompt)} characters, more than {self.max_model_len - 1} tokens can spell "
                     f"(max_model_len {self.max_model_len}, minus one token to generate)"
                 )

@@ -38,10 +38,11 @@ class EngineLoop:
         self._thread.start()
 
     # ------------------------------------------------------------ callers
-    def submit(self, items: list[tuple]) -> list[str | None]:
+    def submit(self, items: list[tuple]) -> list[Exception | None]:
         """``items``: ``(prompt, params, request_id)``. Returns, per item,
-        None when queued or the error message that rejected it."""
-        errors: list[str | None] = []
+        None when queued or the error that rejected it (its type tells the
+        serving layer which HTTP error it is; it pickles across Ray)."""
+        errors: list[Exception | None] = []
         accepted = []
         for prompt, params, request_id in items:
             try:
@@ -55,10 +56,10 @@ class EngineLoop:
                 accepted.append(req)
                 errors.append(None)
             except (ValueError, TypeError) as e:
-                errors.append(str(e))
+                errors.append(e.with_traceback(None))
         with self._cv:
             if self._stopped:
-                return ["the engine has shut down"] * len(items)
+                return [RuntimeError("the engine has shut down") for _ in items]
             self._inbox.extend(("add", r) for r in accepted)
             self._cv.notify_all()
         return errors

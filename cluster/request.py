@@ -134,6 +134,11 @@ class Request:
         return ids
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room to generate within max_model_len (the
+    serving layer answers it with OpenAI's ``context_length_exceeded``)."""
+
+
 class PromptsRefused(ValueError):
     """Some prompts of a batch were refused, so none of it ran: ``refused``
     holds (index in the batch, reason) for each."""

@@ -10,7 +10,8 @@ from factories import make_drafter, make_target
 from specray import LLM, ConfigError, SamplingParams
 from specray.config import EngineConfig
 from specray.llm import build_engine
-from specray.request import PromptsRefused
+from specray.engine_loop import EngineLoop
+from specray.request import PromptsRefused, PromptTooLong
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_engine_keeps_serving_after_bad_requests(ckpt):
     good = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     engine.step()
     engine.step()
-    with pytest.raises(ValueError, match="prompt has 64 tokens; this model takes at most 63"):
+    with pytest.raises(PromptTooLong, match="prompt has 64 tokens; this model takes at most 63"):
         engine.add_request(list(range(2, 66)), SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([5, 10_000], SamplingParams(max_tokens=4))
@@ -248,3 +249,22 @@ def test_batch_with_bad_prompts_names_each_and_runs_none(ckpt):
     assert "prompt 1: prompt is empty" in msg and "prompt 3: prompt token ids [10000]" in msg
     assert not llm.engine.has_unfinished()
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_submit_returns_each_error_with_its_type(ckpt):
+    """The serving layer answers by the error's type (a prompt too long is
+    OpenAI's context_length_exceeded), so submit hands back the exception,
+    not its text; after shutdown it is a server error, not a bad prompt."""
+    root, _ = ckpt
+    loop = EngineLoop(build_engine(EngineConfig(target=str(root / "t"), drafter=str(root / "d"), num_kv_blocks=64)))
+    try:
+        errors = loop.submit([(list(range(2, 66)), SamplingParams(max_tokens=4), "long"),
+                              ([5, 10_000], SamplingParams(max_tokens=4), "vocab"),
+                              ([5, 6], SamplingParams(max_tokens=2), "fine")])
+        assert isinstance(errors[0], PromptTooLong)
+        assert type(errors[1]) is ValueError and "outside the vocabulary" in str(errors[1])
+        assert errors[2] is None
+    finally:
+        loop.stop()
+    (after,) = loop.submit([([5, 6], SamplingParams(max_tokens=2), "late")])
+    assert isinstance(after, RuntimeError) and "shut down" in str(after)

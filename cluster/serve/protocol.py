@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specray.request import RequestOutput
+from specray.request import PromptTooLong, RequestOutput
 from specray.sampling import SamplingParams
 
 
@@ -87,8 +87,7 @@ def _jsonable(x) -> bool:
 def prompt_error(e: ValueError, param: str) -> APIError:
     """The engine's refusal of a prompt (too long, empty, ids outside the
     vocabulary) as a 400 with OpenAI's codes."""
-    msg = str(e)
-    return bad_request(msg, param, "context_length_exceeded" if "max_model_len" in msg else "invalid_value")
+    return bad_request(str(e), param, "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value")
 
 
 def sampling_error(e: ValueError) -> APIError:
