@@ -342,13 +342,24 @@ class EngineCore:
             # The block the graph verified, cut as the scheduler cuts it from
             # the host's view when the step was launched (it is now).
             num_drafts = self.scheduler.block_len(r) - 1
-            produced = self._append(r, drafts[:a] + [bonus])
-            r.metrics.record_step(num_drafts, min(a, produced), produced)
             r.metrics.num_lookup_steps += looked_up
-            if not r.finished:
-                computed = r.num_computed + a + 1
-                self.scheduler.commit(r, computed, keep=computed + self.block_size if chained else computed)
-            outputs.append(self._output(r))
+            outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+        return self._forget_finished(outputs)
+
+    def _emit(self, r: Request, drafts: list[int], a: int, bonus: int, num_drafts: int,
+              keep_ahead: int = 0) -> RequestOutput:
+        """A decode row's result: its first ``a`` drafts and the bonus token
+        are appended (up to a stop), the step recorded, and the request's
+        blocks rolled back past what was accepted (keeping ``keep_ahead``
+        more positions for a step in flight)."""
+        produced = self._append(r, drafts[:a] + [bonus])
+        r.metrics.record_step(num_drafts, min(a, produced), produced)
+        if not r.finished:
+            computed = r.num_computed + a + 1
+            self.scheduler.commit(r, computed, keep=computed + keep_ahead)
+        return self._output(r)
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:
             if o.finished:
                 self.requests.pop(o.request_id, None)
@@ -511,21 +522,16 @@ class EngineCore:
         row = 0
         for s, d in enumerate(decode):
             r = d.request
-            a = n_acc[s]
-            emitted = drafts[s][:a] + [bonus[s]]
-            produced = self._append(r, emitted)
-            r.metrics.record_step(d.block_len - 1, min(a, produced), produced)
+            a, start = n_acc[s], r.num_computed
+            outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1))
             kept = 0 if r.finished else a + 1
             if self.drafter is not None:
                 ctx_rows.extend(range(row, row + kept))
-                ctx_pos.extend(range(r.num_computed, r.num_computed + kept))
-                ctx_slots.extend(r.draft_blocks.slots(r.num_computed, r.num_computed + kept))
+                ctx_pos.extend(range(start, start + kept))
+                ctx_slots.extend(r.draft_blocks.slots(start, start + kept))
                 if whole:
-                    ctx_pos.extend(range(r.num_computed + kept, r.num_computed + uniform))
+                    ctx_pos.extend(range(start + kept, start + uniform))
                     ctx_slots.extend([0] * (uniform - kept))
-            if not r.finished:
-                self.scheduler.commit(r, r.num_computed + a + 1)
-            outputs.append(self._output(r))
             row += uniform or d.block_len
         first_iter = iter(firsts)
         for p in prefill:
@@ -553,10 +559,7 @@ class EngineCore:
                 torch.tensor(ctx_pos, dtype=torch.int64),
                 torch.tensor(ctx_slots, dtype=torch.int64),
             )
-        for o in outputs:
-            if o.finished:
-                self.requests.pop(o.request_id, None)
-        return outputs
+        return self._forget_finished(outputs)
 
     def _append(self, r: Request, tokens: list[int]) -> int:
         """Append emitted tokens one by one, stopping at the first stop
