@@ -130,7 +130,7 @@ class TargetWorker:
         """Capture decode steps of ``q_len`` rows per sequence (the verify
         block) in CUDA graphs, for up to ``max_seqs`` sequences."""
         dev = self.device
-        bufs, per_seq, forward = self._static_forward(q_len, max_seqs, block_size, want_hidden, False)
+        bufs, per_seq, forward = self._static_forward(q_len, max_seqs, block_size, want_hidden, one_logits_row=False)
         # Dummy sequences: q_len rows at positions 0.., writing into block 0.
         pad = {"input_ids": 0, "positions": torch.arange(q_len, device=dev).repeat(max_seqs),
                "slot_mapping": 0, "seq_lens": q_len, "block_tables": 0}
@@ -146,7 +146,7 @@ class TargetWorker:
         for rows in (16, 32, 64, 128, 256, 512):
             if rows >= 2 * max_tokens:  # the previous length already holds any chunk
                 break
-            bufs, per_seq, forward = self._static_forward(rows, 1, block_size, want_hidden, True)
+            bufs, per_seq, forward = self._static_forward(rows, 1, block_size, want_hidden, one_logits_row=True)
             self.prefill_graphs[rows] = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, self.device)
 
     def _prefill_rows(self, batch: TargetBatch) -> int | None:
