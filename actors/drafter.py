@@ -54,12 +54,16 @@ class DrafterWorker:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.context_graphs: DecodeGraphs | None = None
+        self.draft_block = spec.block_size
         self.max_model_len = max_model_len
 
-    def enable_decode_graphs(self, max_seqs: int, block_size: int) -> None:
-        """Capture batched propose (up to the draft logits) in CUDA graphs
-        for up to ``max_seqs`` requests; sampling stays outside."""
-        dev, B = self.device, self.spec.block_size
+    def enable_decode_graphs(self, max_seqs: int, block_size: int, draft_block: int) -> None:
+        """Capture batched propose (up to the draft logits) of blocks of
+        ``draft_block`` rows (the anchor and its drafts: the engine's, at
+        most the drafter's block size) in CUDA graphs for up to ``max_seqs``
+        requests; sampling stays outside."""
+        dev, B = self.device, draft_block
+        self.draft_block = B
         width = -(-(self.max_model_len + B) // block_size)
         bufs = {
             "block_ids": torch.full((max_seqs, B), self.spec.mask_token_id, dtype=torch.int64, device=dev),
@@ -122,7 +126,7 @@ class DrafterWorker:
         n = hidden_tapped.shape[0]
         if n == 0:
             return
-        g, B = self.context_graphs, self.spec.block_size
+        g, B = self.context_graphs, self.draft_block
         if g is not None and n % B == 0 and n // B <= g.max_seqs:
             g.run(n // B, {"hidden": hidden_tapped, "positions": positions, "slot_mapping": slot_mapping})
             return
@@ -137,7 +141,7 @@ class DrafterWorker:
     def propose(self, batch: DraftBatch) -> DraftOutput:
         dev = self.device
         n = batch.block_ids.shape[0]
-        if self.graphs is not None and n <= self.graphs.max_seqs and batch.block_ids.shape[1] == self.spec.block_size:
+        if self.graphs is not None and n <= self.graphs.max_seqs and batch.block_ids.shape[1] == self.draft_block:
             (logits,) = self.graphs.run(n, {"block_ids": batch.block_ids, "ctx_lens": batch.ctx_lens,
                                            "block_lens": batch.block_lens, "block_tables": batch.block_tables})
             logits = logits[:n]

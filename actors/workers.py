@@ -193,7 +193,8 @@ class DrafterActor:
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
         if self.config.cuda_graphs:
-            self.worker.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size)
+            self.worker.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size,
+                                             self.config.draft_block_size(self.worker.spec.block_size))
 
     def connect(self, kind: str, unique_id=None, peer: int | None = None) -> None:
         self.channel = _Channels.make(kind, 1, self.device, unique_id, peer)

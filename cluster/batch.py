@@ -258,7 +258,7 @@ def _connect_ray(address: str | None, num_cpus: int | None) -> bool:
 
 def _engine_kwargs(args, target: str, drafter: str | None) -> dict:
     kw: dict = dict(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
-                    prompt_lookup_min=args.prompt_lookup_min)
+                    prompt_lookup_min=args.prompt_lookup_min, num_speculative_tokens=args.num_speculative_tokens)
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
     for item in args.engine_arg or []:

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_model_len or min(4096, TargetSpec.from_dir(target).max_position_embeddings)
     mem = dict(max_model_len=max_len, gpu_memory_utilization=0.4, cuda_graphs=graphs,
                async_scheduling=args.async_scheduling, max_num_seqs=max(8, args.batch_size))
-    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min, **mem)
+    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min,
+               num_speculative_tokens=args.num_speculative_tokens, **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
     prompts = [text for _, text in rows]
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 top_p=args.top_p, ignore_eos=True) for i in range(len(group))])
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
                "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
+               "num_speculative_tokens": block - 1,
                "max_tokens": args.max_tokens, "block_size": block, "top_p": args.top_p, "by_temperature": {}}
     for temp in args.temperatures:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i, top_p=args.top_p)

@@ -18,6 +18,8 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="drafts per step (default: the drafter's block size - 1; fewer: it drafts a shorter block)")
     if prompt_lookup:
         p.add_argument("--prompt-lookup-min", type=int, default=2,
                        help="draft from the request's own earlier text when its last N+ tokens occurred before "
@@ -57,7 +59,7 @@ def cmd_generate(args) -> int:
     target, drafter = resolve_models(args)
     t = time.perf_counter()
     llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              prompt_lookup_min=args.prompt_lookup_min)
+              prompt_lookup_min=args.prompt_lookup_min, num_speculative_tokens=args.num_speculative_tokens)
     load_s = time.perf_counter() - t
     prompt = args.prompt
     if args.chat and llm.tokenizer is not None:

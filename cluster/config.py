@@ -373,6 +373,14 @@ class EngineConfig:
             raise ConfigError(f"num_speculative_tokens must be at least 1 (or unset), got "
                               f"{self.num_speculative_tokens}; to decode without speculation, give no drafter")
 
+    def draft_block_size(self, drafter_block_size: int) -> int:
+        """Rows of a speculative step: the anchor and its drafts. A drafter
+        trained on blocks of ``drafter_block_size`` drafts a shorter block
+        when ``num_speculative_tokens`` asks for fewer."""
+        if self.num_speculative_tokens is None:
+            return drafter_block_size
+        return min(drafter_block_size, int(self.num_speculative_tokens) + 1)
+
     @property
     def resolved_dtype(self) -> str:
         if self.dtype is not None:

@@ -91,9 +91,7 @@ class EngineCore:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.block_size = drafter_spec.block_size if drafter_spec else 1
-        if config.num_speculative_tokens is not None and drafter_spec:
-            self.block_size = min(self.block_size, config.num_speculative_tokens + 1)
+        self.block_size = config.draft_block_size(drafter_spec.block_size) if drafter_spec else 1
         self.device = target.device
         kv_bs = config.kv_block_size
         target_pool = BlockAllocator(num_target_blocks, kv_bs, "target KV")

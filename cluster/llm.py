@@ -101,7 +101,7 @@ def enable_decode_graphs(config: EngineConfig, block_size: int, target, local_dr
     target.enable_decode_graphs(block_size, config.max_num_seqs, config.kv_block_size, want_hidden=want_hidden)
     target.enable_prefill_graphs(config.kv_block_size, config.max_num_batched_tokens, want_hidden=want_hidden)
     if local_drafter is not None:
-        local_drafter.enable_decode_graphs(config.max_num_seqs, config.kv_block_size)
+        local_drafter.enable_decode_graphs(config.max_num_seqs, config.kv_block_size, block_size)
 
 
 class LLM:

@@ -24,11 +24,11 @@ def models(tmp_path_factory):
     return root
 
 
-def engine(root, drafter: bool, async_: bool):
+def engine(root, drafter: bool, async_: bool, **kw):
     return build_engine(EngineConfig(
         target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4,
         num_kv_blocks=300, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, cuda_graphs=True,
-        async_scheduling=async_,
+        async_scheduling=async_, **kw,
     ))
 
 
@@ -110,6 +110,38 @@ def test_async_steps_equal_sync_steps(models, drafter):
         assert sched.draft_pool.num_free == sched.draft_pool.capacity
         # Acceptance of the async engine's steps is recorded like the sync one's.
         assert sum(len(o.metrics.acceptance_lengths) for o in got.values()) > 0
+
+
+def test_fewer_speculative_tokens_than_the_drafters_block(models):
+    """num_speculative_tokens=2 with a drafter trained on blocks of 6: every
+    step verifies at most 3 rows, the drafter drafts 3-row blocks from its
+    decode graphs (not eagerly), greedy output is the autoregressive
+    output, and async steps emit what sync steps emit, sampled rows too."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 5 + \
+        [SamplingParams(max_tokens=30, temperature=1.0, seed=s) for s in (7, 8)]
+    ar = run(engine(models, False, False), ps, params)
+    runs = {}
+    for async_ in (False, True):
+        eng = engine(models, True, async_, num_speculative_tokens=2)
+        assert eng.block_size == 3
+        replays = {"propose": 0, "context": 0}
+        for name, g in (("propose", eng.drafter.graphs), ("context", eng.drafter.context_graphs)):
+            g.run = (lambda run_, name: lambda n, inputs: replays.__setitem__(name, replays[name] + 1)
+                     or run_(n, inputs))(g.run, name)
+        runs[async_] = run(eng, ps, params)
+        lengths = [a for o in runs[async_].values() for a in o.metrics.acceptance_lengths]
+        assert max(lengths) <= 3 and len(lengths) > 0
+        if async_:
+            assert eng.num_async_steps > 5
+        else:
+            assert min(replays.values()) > 0, f"the drafter ran its shorter blocks eagerly: {replays}"
+    for rid in map(str, range(len(ps))):
+        assert runs[True][rid].token_ids == runs[False][rid].token_ids, rid
+        if params[int(rid)].temperature == 0:
+            assert runs[False][rid].token_ids == ar[rid].token_ids, rid
+    # The drafters' blocks are accepted at times, full ones included.
+    assert 3 in [a for o in runs[False].values() for a in o.metrics.acceptance_lengths]
 
 
 def test_async_lookups_draft_what_sync_lookups_draft(models):

@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         drafter_placement=args.drafter_placement, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued, api_key=api_key, num_replicas=args.num_replicas,
-        engine=dict(prompt_lookup_min=args.prompt_lookup_min, cuda_graphs=False if args.eager else None,
+        engine=dict(prompt_lookup_min=args.prompt_lookup_min, num_speculative_tokens=args.num_speculative_tokens,
+                    cuda_graphs=False if args.eager else None,
                     async_scheduling=args.async_scheduling),
     )
     try:
