@@ -6,7 +6,8 @@ and keeps an online softmax in fp32. The rows of a tile are
 ``(query token, q head of the GQA group)`` pairs, so a decode step (one token)
 still fills a 16-row ``tl.dot`` with the group's heads (padded rows are
 masked). The KV range can be split over ``num_splits`` programs (small
-batches: decode, verify, DFlash propose); each split then writes its partial
+batches: decode, verify, DFlash propose), each taking every
+``num_splits``-th KV tile; each split then writes its partial
 ``(max, sum, acc)`` and ``_combine_kernel`` merges them.
 
 Graph capture: the grid and every constexpr depend only on Python ints and
@@ -79,15 +80,16 @@ def _load_paged_kv(
 
 
 @triton.jit
-def _split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
-    """This split's share ``[s_lo, s_hi)`` of ``[lo, hi)`` in whole KV tiles."""
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.maximum(hi, lo)
-    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits) * BLOCK_N
-    s_lo = lo + split * per_split
-    s_hi = tl.minimum(hi, s_lo + per_split)
-    return s_lo, s_hi
+def _split_tiles(lo, split, num_splits, BLOCK_N: tl.constexpr):
+    """First key and stride of this split's KV tiles in ``[lo, hi)``: the
+    tiles whose index is ``split`` modulo ``num_splits``. Which split owns a
+    tile depends on the tile alone, not on how far the program's keys
+    reach, so a query row meets its keys in the same partial sums whether
+    it comes alone (a decode step) or in a verify block whose later rows
+    see further (those extra tiles are masked out for it: exact no-ops)."""
+    first_tile = lo // BLOCK_N
+    first_tile += (split - first_tile % num_splits + num_splits) % num_splits
+    return first_tile * BLOCK_N, num_splits * BLOCK_N
 
 
 @triton.jit
@@ -185,15 +187,15 @@ def _paged_attention_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx_len + t0 - window + 1, 0)
-    s_lo, s_hi = _split_range(lo, hi, split, num_splits, BLOCK_N)
+    s_lo, step = _split_tiles(lo, split, num_splits, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables + seq.to(tl.int64) * stride_bt
-    for start in range(s_lo, s_hi, BLOCK_N):
+    for start in range(s_lo, hi, step):
         kpos = start + tl.arange(0, BLOCK_N)
-        kv_ok = kpos < s_hi
+        kv_ok = (kpos < hi) & (kpos >= lo)
         k, v = _load_paged_kv(k_cache, v_cache, bt_row, kv_head, kpos, kv_ok, offs_d, d_ok, q.dtype,
                               stride_kb, stride_kt, stride_kh, stride_kd,
                               stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE)
@@ -254,11 +256,11 @@ def _dflash_block_attention_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx_len + t0 - window + 1, 0)
-    s_lo, s_hi = _split_range(lo, ctx_len, split, num_splits, BLOCK_N)
+    s_lo, step = _split_tiles(lo, split, num_splits, BLOCK_N)
     bt_row = block_tables + seq64 * stride_bt
-    for start in range(s_lo, s_hi, BLOCK_N):
+    for start in range(s_lo, ctx_len, step):
         kpos = start + tl.arange(0, BLOCK_N)
-        kv_ok = kpos < s_hi
+        kv_ok = (kpos < ctx_len) & (kpos >= lo)
         k, v = _load_paged_kv(k_cache, v_cache, bt_row, kv_head, kpos, kv_ok, offs_d, d_ok, q.dtype,
                               stride_kb, stride_kt, stride_kh, stride_kd,
                               stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE)
@@ -300,11 +302,25 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _tiles(q_rows: int, group: int, dtype: torch.dtype, head_dim: int):
+# Target launches of at most this many query tokens a sequence (decode
+# steps, verify blocks) tile their queries as a one-token decode step does
+# and split their KV as it does, so that each row's result is bit for bit
+# a decode step's: greedy speculative output is then the autoregressive
+# output in bf16 too, not only in exact arithmetic. (With 64-row tiles,
+# the H200 gave 16-token verify blocks attention rows that differed from
+# decode steps' in the last bits, enough to flip near-ties of the
+# embedded 135M target.)
+DECODE_SHAPED_MAX_QUERY = 64
+
+
+def _tiles(q_rows: int, group: int, dtype: torch.dtype, head_dim: int, decode_shaped: bool = False):
     """(BLOCK_M, BLOCK_Q, BLOCK_N, BLOCK_D, num_warps) for tiles whose rows
-    cover ``q_rows`` query tokens times the GQA group."""
+    cover ``q_rows`` query tokens times the GQA group (one token's worth
+    when ``decode_shaped``)."""
     fp32 = dtype == torch.float32
     max_m = 32 if fp32 else 128  # fp32 (ieee dot) runs on FMA: keep it small
+    if decode_shaped:
+        q_rows = 1
     block_m = min(max_m, max(16, triton.next_power_of_2(q_rows * group)))
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per tile
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -313,13 +329,14 @@ def _tiles(q_rows: int, group: int, dtype: torch.dtype, head_dim: int):
     return block_m, block_m // group, block_n, block_d, num_warps
 
 
-def _pick_splits(programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+def _pick_splits(programs: int, max_kv_len: int | None, block_n: int, device: torch.device) -> int:
     """Split the KV range when the grid alone would leave most SMs idle,
-    keeping at least 4 KV tiles per split."""
+    keeping at least 4 KV tiles per split (``max_kv_len=None``: a count
+    that depends on the grid alone)."""
     if device.type != "cuda":
         return 1
     target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    by_work = triton.cdiv(triton.cdiv(max_kv_len, block_n), 4)
+    by_work = 16 if max_kv_len is None else triton.cdiv(triton.cdiv(max_kv_len, block_n), 4)
     return max(1, min(16, triton.cdiv(target, max(programs, 1)), by_work))
 
 
@@ -356,9 +373,13 @@ def paged_attention(
     out = torch.empty(num_tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    block_m, block_q, block_n, block_d, num_warps = _tiles(max_query_len, group, q.dtype, head_dim)
+    decode_shaped = max_query_len <= DECODE_SHAPED_MAX_QUERY
+    block_m, block_q, block_n, block_d, num_warps = _tiles(max_query_len, group, q.dtype, head_dim, decode_shaped)
     n_qt = triton.cdiv(max_query_len, block_q)
-    ns = num_splits or _pick_splits(n_qt * num_seqs * kv_heads, max_seq_len, block_n, q.device)
+    if decode_shaped:  # the split count a decode step of these sequences gets
+        ns = num_splits or _pick_splits(num_seqs * kv_heads, None, block_n, q.device)
+    else:
+        ns = num_splits or _pick_splits(n_qt * num_seqs * kv_heads, max_seq_len, block_n, q.device)
     num_rows = num_tokens * q_heads
     parts = _partials(ns, num_rows, head_dim, q.device)
     _paged_attention_kernel[(n_qt, num_seqs, kv_heads * ns)](

@@ -51,8 +51,9 @@ def test_gpu_bf16_runs_and_stays_close(ckpt):
     spec = generate(ckpt, True, "cuda", "bfloat16", greedy)
     ar = generate(ckpt, False, "cuda", "bfloat16", greedy)
     assert all(len(s) == 48 for s in spec)
-    # bf16 verify blocks and single-token steps round differently; near-ties
-    # may flip late, but the first tokens agree.
+    # Only the first tokens: the attention gives verify rows a decode step's
+    # bits (tests/test_kernels.py), but whether cuBLAS does for this model's
+    # GEMM shapes is its choice (it does for the embedded default's).
     assert all(s[:8] == a[:8] for s, a in zip(spec, ar))
     sampled = [SamplingParams(max_tokens=32, temperature=0.8, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
     outs = generate(ckpt, True, "cuda", "bfloat16", sampled)
@@ -105,6 +106,22 @@ def test_gpu_sampled_async_steps_match_cpu(ckpt, drafter):
     assert [o.token_ids for o in gpu] == generate(ckpt, drafter, "cpu", "float32", sampled)
     if drafter:
         assert [o.metrics.acceptance_lengths for o in gpu] == acceptance(ckpt, "cpu", sampled, **kw)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_gpu_fewer_speculative_tokens_match_cpu(ckpt, async_):
+    """num_speculative_tokens=5 with a drafter of block 16: the drafter's
+    decode graphs take 6-row blocks; greedy tokens are the CPU's (and the
+    autoregressive ones), acceptance lengths the CPU's, none above 6."""
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    kw = dict(num_speculative_tokens=5, cuda_graphs=True, async_scheduling=async_)
+    llm = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
+    gpu = llm.generate(PROMPTS, greedy)
+    assert llm.engine.drafter.graphs.graphs or async_  # the sync path replayed 6-row propose graphs
+    assert [o.token_ids for o in gpu] == generate(ckpt, False, "cpu", "float32", greedy)
+    lengths = [o.metrics.acceptance_lengths for o in gpu]
+    assert lengths == acceptance(ckpt, "cpu", greedy, **kw)
+    assert max(max(x) for x in lengths) <= 6
 
 
 def test_gpu_uniforms_kernel_is_the_hash():

@@ -230,6 +230,38 @@ def test_paged_attention_padded_gpu(dtype, num_splits, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 4, 128)])
+@pytest.mark.parametrize("ctx_lens", [[37], [700], [1020], [37, 300, 511, 700, 1020, 1500, 2047, 4000]])
+@pytest.mark.parametrize("graph_bound", [False, True])
+def test_verify_rows_are_decode_rows_gpu(kv_heads, group, head_dim, ctx_lens, graph_bound):
+    """A 16-token verify block's attention rows equal, bit for bit in bf16,
+    those of the decode steps that would have computed the same positions
+    one at a time (same sequences, each a position further): greedy
+    speculative decoding then emits exactly the autoregressive tokens.
+    Keys with a few large scores, as real attention has, and contexts whose
+    KV tiles fall into splits differently for the block and its rows.
+    ``graph_bound``: ``max_seq_len`` a loose captured bound, else tight."""
+    B = 16
+    gen = torch.Generator().manual_seed(7)
+    args = paged_case("cuda", torch.bfloat16, [B] * len(ctx_lens), [c + B for c in ctx_lens], kv_heads=kv_heads,
+                      group=group, head_dim=head_dim, seed=7)
+    sink = torch.randn(kv_heads, head_dim, generator=gen).to("cuda", torch.bfloat16) * 6
+    args["k_cache"].view(-1, kv_heads, head_dim)[::97] = sink  # every 97th slot: a strong key
+    kern = _kernels()
+    bound = 4096 + 2 * B if graph_bound else None
+    block = kern.paged_attention(**(args | {"max_seq_len": bound or args["max_seq_len"]}))
+    q = args["q"].view(len(ctx_lens), B, *args["q"].shape[1:])
+    S = len(ctx_lens)
+    for i in range(B):
+        seq_lens = torch.tensor([c + i + 1 for c in ctx_lens], device="cuda")
+        step = kern.paged_attention(q[:, i].contiguous(), args["k_cache"], args["v_cache"],
+                                    torch.arange(S + 1, device="cuda"), seq_lens, args["block_tables"], 1,
+                                    bound or int(seq_lens.max()), args["scale"])
+        torch.testing.assert_close(block.view(S, B, *block.shape[1:])[:, i], step, atol=0, rtol=0,
+                                   msg=lambda m: f"row {i}: {m}")
+
+
+@pytest.mark.gpu
 def test_paged_attention_prefill_2k_gpu():
     args = paged_case("cuda", torch.bfloat16, [2048, 16, 1], [2048, 2064, 4000], kv_heads=8, group=4,
                       head_dim=128, seed=3)
