@@ -78,11 +78,12 @@ def main(argv=None) -> dict:
     p.add_argument("--positions", type=int, default=80)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out")
     args = p.parse_args(argv)
 
     dev = torch.device(args.device)
-    max_len = 2048
+    max_len = args.max_model_len
     llm = LLM(args.target, None, device=args.device, dtype=args.dtype, cuda_graphs=False, num_kv_blocks=256,
               max_model_len=max_len)
     worker = llm.engine.target
@@ -121,6 +122,7 @@ def main(argv=None) -> dict:
             f"positions_differ_block_{args.block}": len(differ),
             "positions_differ_block_8": int((one != blk8).any(-1).sum()),
             f"argmax_differ_block_{args.block}": int((one.argmax(-1) != blk.argmax(-1)).sum()),
+            "max_abs_diff": float((one.float() - blk.float()).abs().max()),
         }
         if differ and "first_difference" not in report:
             p = L + differ[0]

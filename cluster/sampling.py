@@ -201,7 +201,7 @@ def host_uniforms(seeds, starts, width: int) -> torch.Tensor:
     :func:`hash_uniform`, computed with numpy on the host."""
     keys = seed_keys(seeds)[:, :, None]  # [3, S, 1]
     pos = np.asarray(starts, dtype=np.int64).reshape(-1, 1) + 1 + np.arange(width, dtype=np.int64)[None]  # [S, W]
-    return torch.from_numpy((_position_half(keys, pos).astype(np.float64) + 0.5) / 4294967296.0)
+    return torch.from_numpy(_open_unit(_position_half(keys, pos).astype(np.float64)))
 
 
 # The two halves of the hash are operators only: the same code hashes numpy
@@ -214,6 +214,11 @@ def _seed_half(seeds, stream):
 def _position_half(keys, positions):
     x = _mix32(keys ^ (positions & _M32))
     return _mix32(x ^ ((positions >> 32) & _M32) ^ 0x5BD1E995)
+
+
+def _open_unit(x):
+    """A 32-bit hash (float64) -> the open interval (0, 1)."""
+    return (x + 0.5) / 4294967296.0
 
 
 def position_uniforms(keys: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
@@ -229,7 +234,7 @@ def position_uniforms(keys: torch.Tensor, starts: torch.Tensor, width: int) -> t
         if kernel is not None:
             return kernel(keys, starts, width)
     pos = starts.long()[:, None] + 1 + torch.arange(width, device=starts.device)[None]
-    return (_position_half(keys.long()[:, :, None], pos[None]).double() + 0.5) / 4294967296.0
+    return _open_unit(_position_half(keys.long()[:, :, None], pos[None]).double())
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
@@ -237,7 +242,7 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> t
     position) pair, broadcast together, in ``stream``: the definition, in
     torch (the reference :func:`host_uniforms` is tested against)."""
     x = _position_half(_seed_half(seeds.to(torch.int64), stream), positions.to(torch.int64))
-    return (x.double() + 0.5) / 4294967296.0
+    return _open_unit(x.double())
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
