@@ -379,7 +379,10 @@ class EngineConfig:
         when ``num_speculative_tokens`` asks for fewer."""
         if self.num_speculative_tokens is None:
             return drafter_block_size
-        return min(drafter_block_size, int(self.num_speculative_tokens) + 1)
+        if self.num_speculative_tokens > drafter_block_size - 1:
+            raise ConfigError(f"num_speculative_tokens {self.num_speculative_tokens} is more than the drafter drafts "
+                              f"in one pass ({drafter_block_size - 1}: its block size is {drafter_block_size})")
+        return int(self.num_speculative_tokens) + 1
 
     @property
     def resolved_dtype(self) -> str:

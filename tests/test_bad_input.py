@@ -229,6 +229,8 @@ def test_engine_config_errors(ckpt):
         LLM(root / "t").generate([[1], [2]], [SamplingParams()])
     with pytest.raises(ConfigError, match="num_speculative_tokens must be at least 1"):
         LLM(root / "t", root / "d", num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match="num_speculative_tokens 99 is more than the drafter drafts in one pass"):
+        LLM(root / "t", root / "d", num_speculative_tokens=99)
     # wrong types (from YAML, --engine-arg, JSON) are named, not left to fail in a worker
     for kw, match in [(dict(num_kv_blocks="x"), "num_kv_blocks must be int"),
                       (dict(max_model_len="256"), "max_model_len must be int"),
