@@ -29,44 +29,38 @@ from specray.bench import load_prompts
 from specray.plan import AttentionMetadata
 
 
-class Recorder:
-    """Wraps the target forward's ops; while ``row`` is set, appends each
-    op's output row ``row`` to ``log``."""
+OPS = ("rms_norm", "qkv_rope", "paged_attention", "silu_mul")
 
-    def __init__(self):
-        self.row, self.log = None, []
-        for name in ("rms_norm", "qkv_rope", "paged_attention", "silu_mul"):
-            self._wrap_op(name)
-        linear = qwen3.F.linear
 
-        def recorded_linear(x, w, b=None):
-            out = linear(x, w, b)
-            self._keep(f"linear{list(w.shape)}", out)
-            return out
+def trace(fn, row: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Run ``fn`` (a target forward) with its ops and GEMMs wrapped; returns
+    each one's output row ``row`` in call order. The wrappers live only
+    for the call (``kernels.ops`` is shared by every model)."""
+    log: list[tuple[str, torch.Tensor]] = []
 
-        qwen3.F = type("F", (), {"linear": staticmethod(recorded_linear)})
+    def keep(name, out):
+        log.append((name, out[row].float().clone()))
+        return out
 
-    def _wrap_op(self, name):
-        fn = getattr(qwen3.ops, name)
-
+    def wrap(name, op):
         def wrapped(*a, **kw):
-            out = fn(*a, **kw)
-            self._keep(name, out[0] if isinstance(out, tuple) else out)
+            out = op(*a, **kw)
+            keep(name, out[0] if isinstance(out, tuple) else out)
             return out
+        return wrapped
 
-        setattr(qwen3.ops, name, wrapped)
-
-    def _keep(self, name, out):
-        if self.row is not None:
-            self.log.append((name, out[self.row].float().clone()))
-
-    def trace(self, fn, row=0):
-        self.row, self.log = row, []
-        try:
-            fn()
-        finally:
-            self.row = None
-        return self.log
+    ops, F = {name: getattr(qwen3.ops, name) for name in OPS}, qwen3.F
+    for name, op in ops.items():
+        setattr(qwen3.ops, name, wrap(name, op))
+    qwen3.F = type("F", (), {"linear": staticmethod(lambda x, w, b=None: keep(f"linear{list(w.shape)}",
+                                                                             F.linear(x, w, b)))})
+    try:
+        fn()
+    finally:
+        for name, op in ops.items():
+            setattr(qwen3.ops, name, op)
+        qwen3.F = F
+    return log
 
 
 def main(argv=None) -> dict:
@@ -90,7 +84,6 @@ def main(argv=None) -> dict:
     model, kv = worker.model, worker.kv_cache
     kv_block = kv.shape[3]
     table = torch.arange(1, kv.shape[2], dtype=torch.int32, device=dev)[None]
-    recorder = Recorder()
 
     def forward(ids, p0):
         """Positions ``p0 ..`` of one sequence, its earlier positions cached;
@@ -128,9 +121,9 @@ def main(argv=None) -> dict:
             p = L + differ[0]
             with torch.inference_mode():
                 forward(seq[:p], 0)
-                alone = recorder.trace(lambda: forward([seq[p]], p))
+                alone = trace(lambda: forward([seq[p]], p))
                 forward(seq[:p], 0)
-                in_block = recorder.trace(lambda: forward(seq[p:p + args.block], p))
+                in_block = trace(lambda: forward(seq[p:p + args.block], p))
             first = next((i for i, ((_, a), (_, b)) in enumerate(zip(alone, in_block)) if not torch.equal(a, b)), None)
             report["first_difference"] = {
                 "prompt": rid, "position": p, "ops": len(alone), "first_op_index": first,
