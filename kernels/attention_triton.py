@@ -336,8 +336,10 @@ def _pick_splits(programs: int, max_kv_len: int | None, block_n: int, device: to
     if device.type != "cuda":
         return 1
     target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    by_work = 16 if max_kv_len is None else triton.cdiv(triton.cdiv(max_kv_len, block_n), 4)
-    return max(1, min(16, triton.cdiv(target, max(programs, 1)), by_work))
+    splits = min(16, triton.cdiv(target, max(programs, 1)))
+    if max_kv_len is not None:
+        splits = min(splits, triton.cdiv(triton.cdiv(max_kv_len, block_n), 4))
+    return max(1, splits)
 
 
 def _partials(num_splits: int, num_rows: int, head_dim: int, device):
