@@ -32,3 +32,9 @@ def test_curated_and_dev_are_what_the_split_makes_and_never_near_eval():
         assert not index.near(text), row["id"]
         assert not any(p in text.lower() for p in mtp.EVAL_ONLY_PHRASES), row["id"]
     assert not dev_keys & {mtp.normalize(mtp.prompt_text(r["messages"])) for r in train}
+    later = tuple(f"cur-{n.replace('_', '-')}-" for n in split.TRAIN_ONLY_SOURCES)
+    dev_index = mtp.EvalIndex([mtp.prompt_text(r["messages"]) for r in dev])
+    later_rows = [r for r in train if r["id"].startswith(later)]
+    assert later_rows
+    for row in later_rows:
+        assert not dev_index.near(mtp.prompt_text(row["messages"])), row["id"]

@@ -6,6 +6,8 @@ make_train_prompts.py: normalized equality or word-trigram Jaccard >= 0.5),
 touches an eval-only subject, or repeats an earlier prompt. The development
 set takes DEV_PER_CATEGORY prompts of each category at random (fixed seed);
 it picks between drafters so that the eval set is never looked at for that.
+The batches of TRAIN_ONLY_SOURCES, written after the development set was
+drawn, go to training only, and are also dropped when near a dev prompt.
 
     python data/prompts/split_curated.py           # writes curated.jsonl, dev.jsonl
     python data/prompts/split_curated.py --check   # exit 1 if they differ
@@ -22,6 +24,9 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = ["chat", "math", "code", "summ_a", "summ_b"]
+# Written later: screened the same way, training only, so that dev.jsonl stays
+# the set every earlier drafter was chosen on.
+TRAIN_ONLY_SOURCES = ["chat_b", "chat_c", "math_b", "code_b", "code_c", "summ_c", "summ_d", "summ_e"]
 DEV_PER_CATEGORY = 12
 SEED = 20261129
 
@@ -36,30 +41,41 @@ def rules():
 def build(src_dir: pathlib.Path) -> tuple[list[dict], list[dict], dict]:
     mtp = rules()
     index = mtp.EvalIndex(mtp.load_eval(HERE / "eval.jsonl"))
-    seen, kept, dropped = set(), [], {"near_eval": [], "eval_subject": [], "repeat": 0}
-    for name in SOURCES:
-        for line in (src_dir / f"{name}.jsonl").read_text().splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            text = mtp.prompt_text(row["messages"])
-            key = mtp.normalize(text)
-            if key in seen:
-                dropped["repeat"] += 1
-            elif index.near(text):
-                dropped["near_eval"].append(row["id"])
-            elif any(p in text.lower() for p in mtp.EVAL_ONLY_PHRASES):
-                dropped["eval_subject"].append(row["id"])
-            else:
-                seen.add(key)
-                kept.append(row)
+    seen, dropped = set(), {"near_eval": [], "eval_subject": [], "repeat": 0, "near_dev": []}
+
+    def screen(names: list[str], dev_index=None) -> list[dict]:
+        kept = []
+        for name in names:
+            for line in (src_dir / f"{name}.jsonl").read_text().splitlines():
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                text = mtp.prompt_text(row["messages"])
+                key = mtp.normalize(text)
+                if key in seen:
+                    dropped["repeat"] += 1
+                elif index.near(text):
+                    dropped["near_eval"].append(row["id"])
+                elif any(p in text.lower() for p in mtp.EVAL_ONLY_PHRASES):
+                    dropped["eval_subject"].append(row["id"])
+                elif dev_index is not None and dev_index.near(text):
+                    dropped["near_dev"].append(row["id"])
+                else:
+                    seen.add(key)
+                    kept.append(row)
+        return kept
+
+    kept = screen(SOURCES)
     rng = random.Random(SEED)
     dev_ids = set()
     for cat in sorted({r["category"] for r in kept}):
         ids = [r["id"] for r in kept if r["category"] == cat]
         dev_ids.update(rng.sample(ids, DEV_PER_CATEGORY))
     dev = [r for r in kept if r["id"] in dev_ids]
-    train = [r for r in kept if r["id"] not in dev_ids]
+    # The later batches were written after dev was drawn: they are also kept
+    # away from it, by the rule that keeps everything away from eval.
+    dev_index = mtp.EvalIndex([mtp.prompt_text(r["messages"]) for r in dev])
+    train = [r for r in kept if r["id"] not in dev_ids] + screen(TRAIN_ONLY_SOURCES, dev_index)
     return train, dev, dropped
 
 
@@ -84,7 +100,8 @@ def main() -> None:
         path.write_text(text)
     print(f"train {len(train)}, dev {len(dev)}; dropped: {len(dropped['near_eval'])} near an eval prompt "
           f"{dropped['near_eval']}, {len(dropped['eval_subject'])} on an eval-only subject {dropped['eval_subject']}, "
-          f"{dropped['repeat']} repeats")
+          f"{dropped['repeat']} repeats, {len(dropped['near_dev'])} later-batch prompts near a dev prompt "
+          f"{dropped['near_dev']}")
 
 
 if __name__ == "__main__":
