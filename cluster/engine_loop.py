@@ -30,6 +30,7 @@ class EngineLoop:
         self._base = 0  # sequence number of _outbox[0]
         self._live: set[str] = set()  # ids submitted and not yet finished
         self._stopped = False
+        self._closed = False  # the loop thread has ended: nothing more will be output
         self._on_stop = on_stop
         self.num_steps = 0
         self.step_time_s = 0.0
@@ -84,11 +85,15 @@ class EngineLoop:
                 drop = min(max(cursor - self._base, 0), len(self._outbox))
                 del self._outbox[:drop]
                 self._base += drop
-            while not self._outbox and not self._stopped:
+            while not self._outbox and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return self._base, []
                 self._cv.wait(left)
+            if not self._outbox:
+                # Stopped with nothing left to deliver: pollers (a stream's
+                # pump, generate_sync) must end, not spin on empty answers.
+                raise RuntimeError("the engine has shut down")
         if min_batch_s > 0:
             time.sleep(min_batch_s)
         with self._cv:
@@ -123,6 +128,12 @@ class EngineLoop:
 
     # --------------------------------------------------------------- loop
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._close()
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._cv:
@@ -161,5 +172,19 @@ class EngineLoop:
                             self._live.discard(o.request_id)
                     self._outbox.extend(outputs)
                     self._cv.notify_all()
+
+    def _close(self) -> None:
+        # Requests still in flight end as aborted, so their streams finish
+        # with the tokens they had rather than wait on an engine that is gone.
+        aborted = []
+        try:
+            aborted = [o for o in map(self.engine.abort_request, list(self.engine.requests)) if o is not None]
+        except Exception:
+            log.error("aborting in-flight requests at shutdown failed:\n%s", traceback.format_exc())
+        with self._cv:
+            self._stopped = self._closed = True
+            self._live.clear()
+            self._outbox.extend(aborted)
+            self._cv.notify_all()
         if self._on_stop is not None:
             self._on_stop()

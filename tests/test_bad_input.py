@@ -243,13 +243,15 @@ def test_engine_config_errors(ckpt):
 def test_batch_with_bad_prompts_names_each_and_runs_none(ckpt):
     root, _ = ckpt
     llm = LLM(root / "t", root / "d", num_kv_blocks=64)
+    steps, step = [], llm.engine.step
+    llm.engine.step = lambda: steps.append(1) or step()
     with pytest.raises(PromptsRefused) as err:  # a ValueError, naming each
         llm.generate([[5, 6], [], [7], [5, 10_000]], SamplingParams(max_tokens=4))
     assert [i for i, _ in err.value.refused] == [1, 3]
     msg = str(err.value)
     assert msg.startswith("2 prompt(s) refused, nothing generated")
     assert "prompt 1: prompt is empty" in msg and "prompt 3: prompt token ids [10000]" in msg
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished() and not steps
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=4))[0].token_ids) == 4
 
 
@@ -270,3 +272,33 @@ def test_submit_returns_each_error_with_its_type(ckpt):
         loop.stop()
     (after,) = loop.submit([([5, 6], SamplingParams(max_tokens=2), "late")])
     assert isinstance(after, RuntimeError) and "shut down" in str(after)
+
+
+def test_shutdown_ends_open_streams(ckpt):
+    """Shutting the engine down under an open stream ends the stream (its
+    request aborted, with the tokens it had) instead of leaving it waiting
+    on a loop that will never answer; later callers get a clear error."""
+    import asyncio
+
+    from specray.async_engine import AsyncEngine, generate_sync, make_core
+
+    root, _ = ckpt
+    core = make_core(EngineConfig(target=str(root / "t"), drafter=str(root / "d"), num_kv_blocks=64))
+    engine = AsyncEngine(core)
+
+    async def stream():
+        outs = []
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        async for out in engine.generate([5, 6, 7], params):
+            outs.append(out)
+            if len(outs) == 2:
+                await asyncio.to_thread(engine.shutdown)
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(stream(), timeout=60))
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert 2 <= len(outs[-1].token_ids) < 200
+    with pytest.raises(RuntimeError, match="shut down"):
+        generate_sync(core, [[5, 6]], [SamplingParams(max_tokens=2)])
+    with pytest.raises(RuntimeError, match="shut down"):  # a poller past the last output
+        core.get_outputs(10**9, 1.0)
