@@ -33,17 +33,19 @@ _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
 def encode_header(cmd: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    if 2 + (2 + _MAX_DIMS) * len(tensors) > HEADER_LEN:
+        raise ValueError(f"too many tensors in one message ({len(tensors)})")
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0], header[1] = cmd, len(tensors)
     i = 2
     for t in tensors:
         if t.dim() > _MAX_DIMS:
             raise ValueError(f"tensors of more than {_MAX_DIMS} dims do not travel ({tuple(t.shape)})")
+        if t.dtype not in _CODE:
+            raise ValueError(f"tensors of dtype {t.dtype} do not travel (one of {_DTYPES})")
         header[i], header[i + 1] = _CODE[t.dtype], t.dim()
         header[i + 2 : i + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         i += 2 + _MAX_DIMS
-    if i > HEADER_LEN:
-        raise ValueError(f"too many tensors in one message ({len(tensors)})")
     return header
 
 

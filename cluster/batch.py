@@ -329,6 +329,8 @@ def run(args) -> dict:
             raise BatchError(f"{p} is a directory: --output, --errors and --summary name files")
     if args.replicas < 1 or args.tp < 1:
         raise BatchError("--replicas and --tp must be at least 1")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise BatchError(f"--batch-size must be at least 1, got {args.batch_size}")
 
     from specray.cli import resolve_models
 

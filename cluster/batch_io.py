@@ -303,7 +303,8 @@ class Sink:
                 seen.add(k)
                 rows.append({f: r.get(f) for f in OUTPUT_FIELDS})
         rows.sort(key=lambda r: order.get(id_key(r["id"]), float("inf")))
-        id_type = pa.int64() if rows and all(isinstance(r["id"], int) for r in rows) else pa.string()
+        int64_ids = all(isinstance(r["id"], int) and -2**63 <= r["id"] < 2**63 for r in rows)
+        id_type = pa.int64() if rows and int64_ids else pa.string()
         if id_type == pa.string():
             for r in rows:
                 r["id"] = str(r["id"])

@@ -12,6 +12,7 @@ their process group and channels, and the serving loops.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class EngineActors:
     drafter: object | None
     placement_group: object
     loops: list = field(default_factory=list)  # refs of the blocking serve loops
+    rendezvous_dir: str | None = None  # the file store of a one-node process group
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         import ray
@@ -68,6 +70,8 @@ class EngineActors:
             if a is not None:
                 ray.kill(a)
         ray.util.remove_placement_group(self.placement_group)
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
 def _check_resources(ray, need: dict[str, float]) -> None:
@@ -151,7 +155,8 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
         if len(set(ray.get([a.node_id.remote() for a in members]))) == 1:
             # One node: rendezvous through a file, so no TCP store listens
             # on any interface.
-            init_method = f"file://{tempfile.mkdtemp(prefix='specray-pg-')}/store"
+            actors.rendezvous_dir = tempfile.mkdtemp(prefix="specray-pg-")
+            init_method = f"file://{actors.rendezvous_dir}/store"
         else:
             ip, port = ray.get(ranks[0].address.remote())
             init_method = f"tcp://{ip}:{port}"

@@ -110,6 +110,10 @@ def test_async_steps_equal_sync_steps(models, drafter):
         assert sched.draft_pool.num_free == sched.draft_pool.capacity
         # Acceptance of the async engine's steps is recorded like the sync one's.
         assert sum(len(o.metrics.acceptance_lengths) for o in got.values()) > 0
+        for rid in map(str, range(len(ps))):
+            if rid != "5":
+                g, w = got[rid].metrics, sync[rid].metrics
+                assert (g.acceptance_lengths, g.num_draft_tokens) == (w.acceptance_lengths, w.num_draft_tokens), rid
 
 
 def test_fewer_speculative_tokens_than_the_drafters_block(models):

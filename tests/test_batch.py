@@ -250,6 +250,8 @@ def test_bad_files_and_settings_exit_2_naming_the_problem(models, tmp_path, caps
          "num_kv_blocks must be int"),
         (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--engine-arg", "kv_block_size=abc"],
          "kv_block_size must be int"),
+        (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "-3"],
+         "--batch-size must be at least 1"),
     ]:
         assert main([*argv, *model]) == 2, argv
         assert said in capsys.readouterr().err, argv
@@ -322,6 +324,19 @@ def test_parquet_finalize_merges_once_per_id(tmp_path):
     sink.finalize({id_key(f"r{i}"): i for i in range(3)})
     assert pq.read_table(out).to_pylist() == [row(0), row(1), row(2)]
     assert not (tmp_path / "o.parquet.staging.jsonl").exists()
+
+
+def test_parquet_ids_past_int64_are_written_as_strings(tmp_path):
+    """Whole-number ids that int64 cannot hold: the merge at the very end
+    must not fail after every row was generated."""
+    out = tmp_path / "o.parquet"
+    row = lambda i: {"id": i, "text": "t", "prompt_tokens": 3, "completion_tokens": 2,
+                     "finish_reason": "length", "mean_acceptance_length": 1.0}
+    (tmp_path / "o.parquet.staging.jsonl").write_text("".join(json.dumps(row(i)) + "\n" for i in (1, 2**64 - 1)))
+    sink = Sink(out, "parquet")
+    sink.open()
+    sink.finalize({id_key(1): 0, id_key(2**64 - 1): 1})
+    assert [r["id"] for r in pq.read_table(out).to_pylist()] == ["1", str(2**64 - 1)]
 
 
 # ------------------------------------------------------------ jobs on Ray

@@ -1,6 +1,8 @@
 """Engine behaviour around the decode loop: text prompts, stop strings and
 stop tokens, streaming deltas, aborts, and block accounting."""
 
+import dataclasses
+
 import pytest
 
 from factories import add_tokenizer, make_drafter, make_target
@@ -59,6 +61,12 @@ def test_stop_token_and_eos(ckpt):
     out = llm.generate([7, 8, 9], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_tok]))[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # The same token as the model's EOS: a stop unless ignore_eos.
+    llm.engine.target_spec = dataclasses.replace(llm.engine.target_spec, eos_token_ids=(stop_tok,))
+    out = llm.generate([7, 8, 9], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+    out = llm.generate([7, 8, 9], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == full.token_ids and out.finish_reason == "length"
 
 
 def test_abort_mid_stream_frees_every_block(ckpt):

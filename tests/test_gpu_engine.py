@@ -118,6 +118,7 @@ def test_gpu_fewer_speculative_tokens_match_cpu(ckpt, async_):
     llm = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
     gpu = llm.generate(PROMPTS, greedy)
     assert llm.engine.drafter.graphs.graphs or async_  # the sync path replayed 6-row propose graphs
+    assert not async_ or llm.engine.num_async_steps > 0
     assert [o.token_ids for o in gpu] == generate(ckpt, False, "cpu", "float32", greedy)
     lengths = [o.metrics.acceptance_lengths for o in gpu]
     assert lengths == acceptance(ckpt, "cpu", greedy, **kw)

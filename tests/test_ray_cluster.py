@@ -1,8 +1,10 @@
 """The Ray backend on a local CPU cluster (loopback): TP=1 and TP=2 target
 groups with a separate drafter actor give exactly the in-process engine's
-output, stream while running, abort cleanly, and make no Ray call per step."""
+output, stream while running and abort cleanly; the step loop runs inside
+the rank-0 actor, and one output poll can carry several steps."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -124,7 +126,9 @@ def test_abort_mid_stream_frees_blocks_everywhere(cluster):
         assert stats["num_unfinished"] == 0 and stats["running"] == 0
         assert all(free == cap for free, cap in stats["pools"].values()), stats["pools"]
     finally:
+        rendezvous = engine.core.actors.rendezvous_dir
         engine.shutdown()
+    assert rendezvous and not os.path.exists(rendezvous)  # TP 2 met through a file store: removed
 
 
 def test_output_delivery_is_batched(cluster):

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -69,5 +70,6 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    with pytest.raises(OSError):  # the server is gone
+    with pytest.raises(urllib.error.URLError) as gone:  # the server is gone: refused, not an HTTP error
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert not isinstance(gone.value, urllib.error.HTTPError), gone.value

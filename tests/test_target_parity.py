@@ -78,7 +78,16 @@ def test_prefill_then_paged_verify_matches_hf(tmp_path, arch, overrides):
     check({0: (0, 11), 1: (0, 5), 2: (0, 13)})
     check({2: (13, 23), 0: (11, 15)})
     check({0: (15, 19), 1: (5, 9), 2: (23, 26)})
-    # A rejected tail is rolled back: recompute rows 17.. with the same tokens.
+    # A rejected tail is rolled back: blocks past row 17 go back to the pool,
+    # and other tokens written from row 17 on (another draft accepted) are
+    # what the following rows attend to, in reused blocks too.
+    free = pool.num_free
     for t in tables:
         t.trim(17)
-    check({0: (17, 21), 1: (9, 12)})
+    assert pool.num_free == free + 2  # sequence 2 held rows 0..25: 7 blocks, now 5
+    for s in (0, 2):
+        seqs[s][17:] = torch.randint(2, spec.vocab_size, (len(seqs[s]) - 17,), generator=g).tolist()
+    with torch.no_grad():
+        ref = [hf(torch.tensor([s]), output_hidden_states=True) for s in seqs]
+    check({0: (17, 21), 1: (9, 12), 2: (17, 20)})
+    check({2: (20, 24), 0: (21, 23)})

@@ -91,8 +91,7 @@ def test_narrower_mlp_starts_as_a_pruned_copy(tmp_path):
     td.init_drafter(d, hf, [1, 2], "target", calib, "cpu")
     for dl, tl in zip(d.layers, hf.model.layers[-2:], strict=True):
         norms = tl.mlp.down_proj.weight.norm(dim=0)
-        keep = norms.topk(48).indices.sort().values
-        assert norms[keep].min() >= norms.sort().values[-48]  # the 48 largest
+        keep = norms.topk(48).indices.sort().values  # the rows of the 48 largest down_proj columns
         torch.testing.assert_close(dl.mlp.gate_proj.weight, tl.mlp.gate_proj.weight[keep])
         torch.testing.assert_close(dl.mlp.up_proj.weight, tl.mlp.up_proj.weight[keep])
         torch.testing.assert_close(dl.mlp.down_proj.weight, tl.mlp.down_proj.weight[:, keep])

@@ -35,6 +35,17 @@ def test_header_round_trip():
     assert cmd == 7 and specs == [(t.dtype, tuple(t.shape)) for t in msg]
 
 
+def test_header_refuses_what_it_cannot_carry():
+    import pytest
+
+    most = (T.HEADER_LEN - 2) // (2 + T._MAX_DIMS)
+    T.encode_header(1, [torch.zeros(1)] * most)
+    with pytest.raises(ValueError, match="too many tensors"):
+        T.encode_header(1, [torch.zeros(1)] * (most + 1))
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        T.encode_header(1, [torch.zeros(2, dtype=torch.float64)])
+
+
 def _end(rank, path, q):
     import torch.distributed as dist
 
