@@ -361,6 +361,8 @@ def test_hostile_bodies_get_clear_errors(server):
         head = s.recv(4096)
     assert b" 408 " in head.split(b"\r\n")[0] and BODY_TIMEOUT - 0.5 < time.monotonic() - t, head[:200]
     assert server.wait_idle()["in_flight"] == 0
+    status, _, body = post({"prompt": "Hello", "max_tokens": 3, "temperature": 0})  # still serving
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
 
 
 def test_values_that_once_failed_a_step_or_a_client(server):
