@@ -72,12 +72,26 @@ def test_rejection_sampling_matches_target_distribution(temperature, top_p, top_
     res = verify(target_logits.expand(N, -1, -1), drafts, torch.full((N,), G), st, idx, q)
     # The first emitted token is draft 1 if accepted, else the residual
     # sample: either way it must follow the target's row-0 distribution.
+    checked = []
     first = torch.where(res.num_accepted > 0, drafts[:, 0], res.bonus)
     p0 = filtered_probs(target_logits[0, :1], SamplingTensors.build(params[:1], [0], [0], 1))[0]
     counts = np.bincount(first.numpy(), minlength=V)
     assert chi2_p(counts, p0.numpy()) > 1e-3
+    # So must the token emitted at each later row, among the requests that
+    # reached it: the draft if accepted, else the residual sample of p_i - q_i.
+    one = SamplingTensors.build(params[:1], [0], [0], 1)
+    for i in range(1, G + 1):
+        reached = res.num_accepted >= i
+        if reached.sum() < 1000:
+            continue
+        token = drafts[:, i] if i < G else res.bonus
+        token = torch.where(res.num_accepted > i, token, res.bonus)[reached]
+        p_i = filtered_probs(target_logits[0, i : i + 1], one)[0]
+        assert chi2_p(np.bincount(token.numpy(), minlength=V), p_i.numpy()) > 1e-3, i
+        checked.append(i)
     # Some drafts are accepted and some rejected: both paths ran.
     assert 0.05 < (res.num_accepted > 0).float().mean() < 0.95
+    assert 1 in checked, (res.num_accepted >= 1).sum()
 
 
 def test_engine_emits_the_target_joint_distribution(tmp_path):
@@ -197,3 +211,38 @@ def test_sparse_draft_filters_within_its_candidates():
     torch.testing.assert_close(q[1, :kept], row1[:kept] / row1[:kept].sum())
     assert (q[2] > 0).sum() == 3
     assert q[3, 0] == 1 and q[3, 1:].sum() == 0
+
+
+def _filtered_reference(logits: np.ndarray, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+    """What a sampled row's distribution is, written from the definition in
+    float64: softmax of logits / temperature, the top-k tokens kept, then
+    the smallest most-likely prefix whose mass reaches top-p, renormalised."""
+    z = logits.astype(np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    if 0 < top_k < len(z):
+        z[order[top_k:]] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    ps = p[order]
+    before = np.cumsum(ps) - ps
+    ps = np.where((before < top_p) | (np.arange(len(ps)) == 0), ps, 0.0)
+    out = np.zeros_like(p)
+    out[order] = ps / ps.sum()
+    return out
+
+
+def test_filtered_probs_match_a_float64_reference():
+    """Temperature with top-k and top-p, against an independent definition
+    (the other sampling tests compare the engine's path with itself)."""
+    rows = [(0.5, 1.0, 0), (1.7, 1.0, 5), (0.7, 0.9, 0), (1.3, 0.6, 0), (0.4, 0.8, 20), (2.0, 0.3, 7),
+            (1.0, 0.95, 0), (0.8, 1.0, 1)]
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(len(rows), 3000, generator=g) * 3
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in rows]
+    st = SamplingTensors.build(params, list(range(len(rows))), [0] * len(rows), 1)
+    got = filtered_probs(logits, st).double().numpy()
+    for i, (t, p, k) in enumerate(rows):
+        want = _filtered_reference(logits[i].numpy(), t, p, k)
+        assert np.abs(got[i] - want).max() < 1e-5, (t, p, k)
+        if p < 1 or k > 0:  # the same kept set (unfiltered rows: float32 underflows the far tail)
+            assert ((got[i] > 0) == (want > 0)).all(), (t, p, k)
