@@ -160,11 +160,9 @@ class EngineLoop:
                 except Exception:
                     # Fail what was in flight, free its blocks, keep serving.
                     log.error("engine step failed:\n%s", traceback.format_exc())
-                    for rid in list(engine.requests):
-                        out = engine.abort_request(rid)
-                        if out is not None:
-                            out.finish_reason = "error"
-                            outputs.append(out)
+                    for out in self._abort_all():
+                        out.finish_reason = "error"
+                        outputs.append(out)
             if outputs:
                 with self._cv:
                     for o in outputs:
@@ -178,7 +176,7 @@ class EngineLoop:
         # with the tokens they had rather than wait on an engine that is gone.
         aborted = []
         try:
-            aborted = [o for o in map(self.engine.abort_request, list(self.engine.requests)) if o is not None]
+            aborted = self._abort_all()
         except Exception:
             log.error("aborting in-flight requests at shutdown failed:\n%s", traceback.format_exc())
         with self._cv:
@@ -188,3 +186,8 @@ class EngineLoop:
             self._cv.notify_all()
         if self._on_stop is not None:
             self._on_stop()
+
+    def _abort_all(self) -> list[RequestOutput]:
+        """End every request the engine holds; their final outputs."""
+        outs = (self.engine.abort_request(rid) for rid in list(self.engine.requests))
+        return [o for o in outs if o is not None]
