@@ -118,15 +118,18 @@ def main(argv=None) -> dict:
             "max_abs_diff": float((one.float() - blk.float()).abs().max()),
         }
         if differ and "first_difference" not in report:
+            # The position again, alone and at the row it held in its block:
+            # a row's bits can depend on where in the block it sits.
             p = L + differ[0]
+            row = differ[0] % args.block
             with torch.inference_mode():
                 forward(seq[:p], 0)
                 alone = trace(lambda: forward([seq[p]], p))
-                forward(seq[:p], 0)
-                in_block = trace(lambda: forward(seq[p:p + args.block], p))
+                forward(seq[:p - row], 0)
+                in_block = trace(lambda: forward(seq[p - row:p - row + args.block], p - row), row)
             first = next((i for i, ((_, a), (_, b)) in enumerate(zip(alone, in_block)) if not torch.equal(a, b)), None)
             report["first_difference"] = {
-                "prompt": rid, "position": p, "ops": len(alone), "first_op_index": first,
+                "prompt": rid, "position": p, "row_in_block": row, "ops": len(alone), "first_op_index": first,
                 "first_op": alone[first][0] if first is not None else None,
                 "max_abs_diff": float((alone[first][1] - in_block[first][1]).abs().max()) if first is not None else 0.0,
             }
