@@ -75,9 +75,14 @@ def _check_rms_norm(device, dtype, N, H, residual):
     x = (3 * torch.randn(N, H, generator=g)).to(device, dtype)
     r = torch.randn(N, H, generator=g).to(device, dtype) if residual else None
     w = (1 + 0.2 * torch.randn(H, generator=g)).to(device, dtype)
+    x0, r0 = x.clone(), (r.clone() if residual else None)
     y, s = ft.rms_norm(x, w, 1e-6, r)
     y_ref, s_ref = fused.rms_norm(x, w, 1e-6, r)
-    assert_same_bits(s, s_ref, exact=True)  # one rounded add: exact everywhere
+    assert torch.equal(x, x0) and (r is None or torch.equal(r, r0)), "an input was written"
+    if r is None:
+        assert s is x  # the stream is x itself (no copy, no write: the kernel gets it as s_ptr)
+    else:
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # r + x, one rounded add: exact everywhere
     assert_same_bits(y, y_ref, exact=False)
 
 
@@ -149,13 +154,15 @@ def test_qkv_rope_gpu(dtype, N, nq, nkv, D, norm, store):
 
 @gpu
 def test_fused_ops_capture_in_cuda_graph_gpu():
-    """Replayed with new contents (slots, positions, values), a captured
-    call writes what an eager one does."""
+    """Replayed with new contents (slots, positions, values, weights), a
+    captured call writes what an eager one does."""
     from specray.kernels import ops
 
     fused, _ = _modules()
+    assert ops._fused is not None  # else ops runs the references and this compares them with themselves
     dev, dt, N, nq, nkv, D = _cuda(), torch.bfloat16, 4, 9, 3, 64
     qkv = torch.zeros(N, (nq + 2 * nkv) * D, device=dev, dtype=dt)
+    h = torch.zeros(N, 576, device=dev, dtype=dt)
     res = torch.zeros(N, 576, device=dev, dtype=dt)
     cos = torch.zeros(N, 1, D, device=dev, dtype=dt)
     sin = torch.zeros_like(cos)
@@ -165,7 +172,7 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
     v_cache = torch.zeros_like(k_cache)
 
     def step():
-        y, s = ops.rms_norm(res, w, 1e-6, res)
+        y, s = ops.rms_norm(h, w, 1e-6, res)
         q, _ = ops.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, (cos, sin), qn, kn, 1e-6,
                             k_cache, v_cache, slots)
         return y, s, q, ops.silu_mul(res)
@@ -175,8 +182,10 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
     with torch.cuda.graph(graph):
         outs = step()
     g = torch.Generator().manual_seed(0)
-    qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev, dt))
-    res.copy_(torch.randn(res.shape, generator=g).to(dev, dt))
+    for buf in (qkv, h, res):
+        buf.copy_(torch.randn(buf.shape, generator=g).to(dev, dt))
+    for buf in (w, qn, kn):
+        buf.copy_((1 + 0.2 * torch.randn(buf.shape, generator=g)).to(dev, dt))
     cos_sin = _rope(N, D, dt, dev, 3)
     cos.copy_(cos_sin[0])
     sin.copy_(cos_sin[1])
@@ -185,8 +194,10 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     q_ref, _ = fused.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, (cos, sin), qn, kn, 1e-6,
                               k_ref, v_ref, slots)
-    y_ref, s_ref = fused.rms_norm(res, w, 1e-6, res)
-    for got, want, per_head in zip(outs, (y_ref, s_ref, q_ref, fused.silu_mul(res)), (False, False, True, False)):
+    y_ref, s_ref = fused.rms_norm(h, w, 1e-6, res)
+    y, s, q, m = outs
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # the residual add: exact
+    for got, want, per_head in zip((y, q, m), (y_ref, q_ref, fused.silu_mul(res)), (False, True, False)):
         assert_same_bits(got, want, exact=False, per_head=per_head)
     assert_same_bits(k_cache, k_ref, exact=False, per_head=True)
     assert torch.equal(v_cache, v_ref)
