@@ -10,8 +10,12 @@ self-distillation, on one GPU, in a few minutes.
 The defaults are the first stage of the shipped drafter's recipe: 4
 layers, 14 M tokens, a 750 s budget for features + training on the cached
 data (~165 s of data generation before it, in its own run). It was then
-continued twice with ``--init-from`` (``--lr 3e-4`` for 760 s, ``--lr 2e-4``
-for 380 s; ``--warmup-steps 50``): each stage's training.json lists every
+continued five times with ``--init-from`` and ``--warmup-steps 50``: twice
+on the same data (``--lr 3e-4`` for 760 s, ``--lr 2e-4`` for 380 s), then
+three times on fresh data weighted toward the hand-written prompts
+(``--magpie 20000 --sampled-answers 12`` with ``--seed`` 0, 1, 2; ``--lr``
+3e-4, 2e-4, 3e-4; ~450, 320, 470 s of training; the last one after the
+hand-written prompts doubled). Each stage's training.json lists every
 argument (the last stage's beside the checkpoint, the others in
 ``earlier_stages/``).
 
@@ -135,11 +139,11 @@ def magpie_prefixes(tok, n: int, systems_file: str, seed: int) -> list[list[int]
     return [rng.choice(options) for _ in range(n)]
 
 
-def eval_index(path: str):
+def eval_index(paths: list[str]):
     """The committed prompt sets' near-duplicate rule (normalized equality or
     word-trigram Jaccard >= 0.5, data/prompts/make_train_prompts.py) over
-    the prompts in ``path``; None without a path."""
-    if not path:
+    the prompts in ``paths``; None without any."""
+    if not paths:
         return None
     import importlib.util
 
@@ -147,7 +151,7 @@ def eval_index(path: str):
     spec = importlib.util.spec_from_file_location("make_train_prompts", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.EvalIndex(mod.load_eval(Path(path)))
+    return mod.EvalIndex([text for path in paths for text in mod.load_eval(Path(path))])
 
 
 def generate_data(args, tok, eos: list[int], device) -> dict:
@@ -189,7 +193,7 @@ def generate_data(args, tok, eos: list[int], device) -> dict:
         with open(Path(args.out) / "magpie_prompts.jsonl", "w") as f:
             f.writelines(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts)
         log(f"magpie: {len(magpie)} usable user messages of {len(raw)} sampled in {time.time() - t:.1f}s "
-            f"({near_eval} dropped as near-duplicates of {args.exclude_prompts or 'no held-out set'})")
+            f"({near_eval} dropped as near-duplicates of {', '.join(args.exclude_prompts) or 'no held-out set'})")
     prompts = [p for p in file_prompts + magpie if len(p) <= max_prompt]
     random.Random(args.seed).shuffle(prompts)
     gen.max_new = args.max_new_tokens
@@ -916,8 +920,8 @@ def parse_args(argv=None):
     a("--magpie-systems", default=str(PROMPTS / "magpie_systems.txt"),
       help="file of system prompts (one a line) that steer the self-written messages; '' = the template's default")
     a("--magpie-budget-frac", type=float, default=0.3, help="share of --gen-time-budget-s for writing prompts")
-    a("--exclude-prompts", default=str(PROMPTS / "eval.jsonl"),
-      help="drop self-written messages that near-duplicate these prompts ('' = keep all)")
+    a("--exclude-prompts", nargs="*", default=[str(PROMPTS / "eval.jsonl"), str(PROMPTS / "dev.jsonl")],
+      help="drop self-written messages that near-duplicate the prompts of these files (none given = keep all)")
     a("--max-train-tokens", type=int, default=14_000_000,
       help="use sequences up to this many tokens in all (their features stay on the device); 0 = all")
     a("--gen-time-budget-s", type=float, default=270.0, help="no new generation batch after this")

@@ -284,10 +284,14 @@ def test_bulk_generator_matches_hf_greedy(tmp_path):
     assert got == want and len(got[1]) == 5
 
 
-def test_self_written_prompts_near_eval_are_dropped():
-    index = td.eval_index(str(ROOT / "data" / "prompts" / "eval.jsonl"))
-    first = json.loads((ROOT / "data" / "prompts" / "eval.jsonl").read_text().splitlines()[0])
-    text = first["messages"][-1]["content"]
-    assert index.near(text.upper().replace("?", "!"))
+def test_self_written_prompts_near_held_out_sets_are_dropped():
+    """Both held-out sets: eval (reported) and dev (chooses between drafters)."""
+    sets = [ROOT / "data" / "prompts" / name for name in ("eval.jsonl", "dev.jsonl")]
+    index = td.eval_index([str(p) for p in sets])
+    for path in sets:
+        first = json.loads(path.read_text().splitlines()[0])
+        assert index.near(first["messages"][-1]["content"].upper().replace("?", "!")), path.name
     assert not index.near("Write a limerick about a cat who learns to play the trumpet.")
-    assert td.eval_index("") is None
+    assert td.eval_index([]) is None
+    defaults = td.parse_args(["--target", "t", "--out", "o"]).exclude_prompts
+    assert sorted(Path(p).name for p in defaults) == ["dev.jsonl", "eval.jsonl"]
