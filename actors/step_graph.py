@@ -26,15 +26,9 @@ from __future__ import annotations
 import torch
 
 from specray.actors.graphs import DecodeGraphs
-from specray.kernels.ops import ngram_lookup
+from specray.kernels.ops import accept_advance, argmax, block_inputs, ngram_lookup
 from specray.plan import AttentionMetadata
 from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens, verify
-
-
-def slots_of(tables: torch.Tensor, positions: torch.Tensor, kv_block_size: int) -> torch.Tensor:
-    """Cache slot of each position ``[S, n]`` through block tables ``[S, W]``."""
-    blocks = tables.gather(1, torch.div(positions, kv_block_size, rounding_mode="floor")).long()
-    return blocks * kv_block_size + positions % kv_block_size
 
 
 def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
@@ -84,8 +78,9 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         bufs = {name: shared.setdefault(name, buf) for name, buf in bufs.items()}
     # Padding rows: block 0, positions from 0, their state reset every step.
     pad = dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {}) | ({"slot": max_seqs} if "slot" in bufs else {})
-    rows_arange = torch.arange(B, device=dev)
     all_rows = torch.arange(max_seqs * B, device=dev)
+    no_drafts = torch.zeros(max_seqs, 0, dtype=torch.int64, device=dev)
+    no_lookups = torch.zeros(max_seqs, dtype=torch.bool, device=dev)
     query_start_loc = torch.arange(0, max_seqs * B + 1, B, dtype=torch.int64, device=dev)
     greedy = SamplingTensors(temperature=torch.zeros(0), top_p=torch.zeros(0), top_k=torch.zeros(0, dtype=torch.int64),
                              uniforms=torch.zeros(3, 0, 0, dtype=torch.float64), all_greedy=True)
@@ -99,54 +94,46 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
                                any_filter=sampling == "filtered")
 
     def step(n: int):
-        start, last, real = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n]
+        start, last, real, budget = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n], bufs["budget"][:n]
         tables = bufs["target_tables"][:n]
-        positions = start[:, None] + rows_arange  # [n, B]
-        st = sampling_tensors(n, start)
+        d_tables = bufs["draft_tables"][:n] if drafter is not None else None
         # A row within a block of its emit budget (max_tokens, max_model_len)
         # verifies a shorter block, which the drafter sees too (its block
         # attends both ways).
-        block_len = (bufs["budget"][:n] + 1).clamp(1, B)
-        draft_idx = draft_q = None
+        blk = block_inputs(start, last, budget, tables, d_tables, B, kv_block_size, mask_token_id or 0)
+        st = sampling_tensors(n, start)
+        draft_idx = draft_q = history = history_rows = None
         if drafter is not None:
-            d_tables = bufs["draft_tables"][:n]
-            block_ids = torch.cat([last[:, None], torch.full((n, G), mask_token_id, dtype=torch.int64, device=dev)], 1)
-            hidden = drafter.model.propose_hidden(block_ids, start, block_len, d_tables,
+            hidden = drafter.model.propose_hidden(blk.block_ids, start, blk.block_len, d_tables,
                                                   drafter.max_model_len, drafter.kv_cache)
             drafts, draft_idx, draft_q = sample_draft_tokens(drafter.model.logits(hidden[:, 1:]), st, draft_top_k)
-            looked_up = torch.zeros(n, dtype=torch.bool, device=dev)
+            looked_up = no_lookups[:n]
             if lookup:
-                history = bufs["history"].index_select(0, bufs["slot"][:n])
-                found_drafts, looked_up = ngram_lookup(history, start + 1, lookup[0], lookup[1], G)
-                looked_up = looked_up & (block_len > 1)
+                history, history_rows = bufs["history"], bufs["slot"][:n]
+                found_drafts, looked_up = ngram_lookup(history.index_select(0, history_rows), blk.known_lens,
+                                                       lookup[0], lookup[1], G)
+                looked_up = looked_up & (blk.block_len > 1)
                 if sampling != "greedy":
                     looked_up = looked_up & (st.temperature == 0)
                 drafts = torch.where(looked_up[:, None], found_drafts, drafts)
             input_ids = torch.cat([last[:, None], drafts], 1)
         else:
-            drafts = torch.zeros(n, 0, dtype=torch.int64, device=dev)
-            looked_up = torch.zeros(n, dtype=torch.bool, device=dev)
+            drafts, looked_up = no_drafts[:n], no_lookups[:n]
             input_ids = last[:, None]
-        attn = AttentionMetadata(positions.reshape(-1), slots_of(tables, positions, kv_block_size).reshape(-1),
-                                 query_start_loc[: n + 1], start + B, tables, B, target.max_model_len + 2 * B)
+        attn = AttentionMetadata(blk.positions.reshape(-1), blk.target_slots.reshape(-1), query_start_loc[: n + 1],
+                                 blk.seq_lens, tables, B, target.max_model_len + 2 * B)
         logits, hidden_tapped = target.model.forward(input_ids.reshape(-1), attn, target.kv_cache,
                                                      logits_indices=all_rows[: n * B], tap_layer_ids=taps)
-        res = verify(logits.view(n, B, -1), drafts, block_len - 1, st, draft_idx, draft_q)
-        num_accepted, bonus = res.num_accepted.long(), res.bonus.long()
+        if sampling == "greedy":  # the acceptance is the argmax's: the glue kernel does it
+            target_argmax, num_accepted, bonus = argmax(logits.view(n, B, -1)), None, None
+        else:
+            res = verify(logits.view(n, B, -1), drafts, blk.block_len - 1, st, draft_idx, draft_q)
+            target_argmax, num_accepted, bonus = None, res.num_accepted, res.bonus
+        out, context_slots = accept_advance(target_argmax, num_accepted, bonus, drafts, blk.block_len, looked_up,
+                                            blk.draft_slots, start, last, budget, real, history, history_rows)
         if drafter is not None:
-            keep = rows_arange[None] <= num_accepted[:, None]  # the block's last token + accepted drafts
-            slots = torch.where(keep, slots_of(d_tables, positions, kv_block_size), 0)
-            drafter.model.store_context(hidden_tapped, positions.reshape(-1), slots.reshape(-1), drafter.kv_cache)
-            if lookup:
-                # Positions start + 1 .. start + B: the accepted drafts, then
-                # the bonus (what lies past it is rewritten before it is read).
-                emitted = torch.where(rows_arange[None] < num_accepted[:, None],
-                                      torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])
-                bufs["history"].index_put_((bufs["slot"][:n, None].expand(n, B), positions + 1), emitted)
-        out = torch.cat([num_accepted[:, None], bonus[:, None], looked_up[:, None].long(), drafts], 1)
-        start.copy_(torch.where(real, start + num_accepted + 1, 0))
-        last.copy_(torch.where(real, bonus, 0))
-        bufs["budget"][:n] -= num_accepted + 1
+            drafter.model.store_context(hidden_tapped, blk.positions.reshape(-1), context_slots.reshape(-1),
+                                        drafter.kv_cache)
         return (out,)
 
     return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), pad, max_seqs, dev)

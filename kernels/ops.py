@@ -12,14 +12,16 @@ from specray.kernels.attention import (
     store_kv,
 )
 from specray.kernels.lookup import ngram_lookup_ref
+from specray.kernels.step_glue import accept_advance_ref, block_inputs_ref
 
 try:  # triton is optional: CPU installs run the references
     from specray.kernels import attention_triton as _triton
     from specray.kernels import fused_triton as _fused
     from specray.kernels import lookup_triton as _lookup
     from specray.kernels import argmax_triton as _argmax
+    from specray.kernels import step_glue_triton as _glue
 except Exception:  # ImportError, or a triton that cannot initialise here
-    _triton = _fused = _lookup = _argmax = None
+    _triton = _fused = _lookup = _argmax = _glue = None
 
 # The fused elementwise kernels copy the reference's roundings in 16-bit
 # dtypes; fp32 runs the references, so fp32 on a GPU gives the CPU's bits
@@ -73,4 +75,17 @@ def ngram_lookup(history, lengths, min_n, max_n, k):
     return fn(history, lengths, min_n, max_n, k)
 
 
-__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul", "argmax", "ngram_lookup"]
+def block_inputs(start, last, budget, target_tables, draft_tables, block_size, kv_block_size, mask_token_id):
+    fn = _glue.block_inputs if _glue is not None and start.is_cuda else block_inputs_ref
+    return fn(start, last, budget, target_tables, draft_tables, block_size, kv_block_size, mask_token_id)
+
+
+def accept_advance(argmax, num_accepted, bonus, drafts, block_len, looked_up, draft_slots, start, last, budget,
+                   real, history=None, history_rows=None):
+    fn = _glue.accept_advance if _glue is not None and start.is_cuda else accept_advance_ref
+    return fn(argmax, num_accepted, bonus, drafts, block_len, looked_up, draft_slots, start, last, budget, real,
+              history, history_rows)
+
+
+__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul", "argmax", "ngram_lookup",
+           "block_inputs", "accept_advance"]
