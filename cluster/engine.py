@@ -569,9 +569,13 @@ class EngineCore:
             kept += 1
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = time.monotonic()
-            with self.tokenizer_lock:
-                new_text = detokenize_step(self.tokenizer, r)
-            r.text += new_text
+            # A stop token's text stays out of the output, as in vLLM (the
+            # token still counts in token_ids and usage).
+            new_text = ""
+            if tok not in stops:
+                with self.tokenizer_lock:
+                    new_text = detokenize_step(self.tokenizer, r)
+                r.text += new_text
             reason = None
             if tok in stops:
                 reason, r.stop_reason = "stop", tok

@@ -285,6 +285,56 @@ def test_text_completion(server):
     assert "".join(c.choices[0].text for c in parts) == want.text
 
 
+def test_stop_token_text_is_left_out(server):
+    """As in vLLM, a token of stop_token_ids ends the output without its
+    text (it still counts in token_ids and usage); it was appended."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.root / MODEL)
+    client = server.client()
+    kw = dict(model=MODEL, prompt="The capital of France is", temperature=0)
+    free = client.completions.create(**kw, max_tokens=16, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = free.choices[0].model_extra["token_ids"]
+    # a token first seen at k that adds text
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and tok.decode(ids[:i + 1]) != tok.decode(ids[:i]))
+    before = client.completions.create(**kw, max_tokens=k, extra_body={"ignore_eos": True}).choices[0].text
+    stop = dict(max_tokens=16, extra_body={"stop_token_ids": [ids[k]], "ignore_eos": True, "return_token_ids": True})
+    out = client.completions.create(**kw, **stop)
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["token_ids"] == ids[:k + 1]
+    assert out.usage.completion_tokens == k + 1
+    assert out.choices[0].text == before
+    assert "".join(c.choices[0].text for c in client.completions.create(**kw, **stop, stream=True)) == before
+
+
+def test_chat_text_parts_join_with_newlines(server):
+    """vLLM joins a message's text parts with "\\n"; they were run together."""
+    def prompt_ids(content):
+        status, _, body = server.request("POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1,
+            "temperature": 0, "return_token_ids": True})
+        assert status == 200, body
+        return body["prompt_token_ids"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert prompt_ids(parts) == prompt_ids("Hello\nworld")
+
+
+def test_openai_nulls_and_logprobs_zero(server):
+    """OpenAI's schema allows null for stream and echo (vLLM accepts it);
+    logprobs=0 asks for the sampled tokens' log probabilities, which are
+    not returned, so it is refused rather than answered with null."""
+    for field in ("stream", "echo"):
+        status, _, body = server.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": "Hello", "max_tokens": 2, field: None})
+        assert status == 200 and body["choices"][0]["finish_reason"], (field, body)
+    status, _, body = server.request("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": None})
+    assert status == 200 and body["object"] == "chat.completion", body
+    status, _, body = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 2, "logprobs": 0})
+    assert status == 400 and body["error"]["param"] == "logprobs", body
+
+
 def test_invalid_parameters(server):
     client = server.client()
     msgs = [{"role": "user", "content": "hi"}]

@@ -139,7 +139,7 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # OpenAI's schema allows null (= false)
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     store: bool | None = None  # accepted and ignored (vLLM does the same)
@@ -198,7 +198,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
 
@@ -217,7 +217,7 @@ class CompletionRequest(_Common):
         self._check_common()
         if self.echo:
             raise unsupported("echo", "echoing the prompt is not implemented")
-        if self.logprobs not in (None, 0):
+        if self.logprobs is not None:  # 0 still asks for the sampled tokens' log probabilities
             raise unsupported("logprobs", "log probabilities are not returned")
         if self.suffix:
             raise unsupported("suffix", "insertion (suffix) is not implemented")
@@ -266,7 +266,7 @@ class ChatMessage(BaseModel):
             except ValidationError as e:
                 raise bad_request(f"messages.{i}.content.{j}: {e.errors()[0]['msg']}",
                                   f"messages.{i}.content.{j}") from None
-        return "".join(out)
+        return "\n".join(out)  # vLLM's separator: the same parts make the same prompt
 
 
 class ChatCompletionRequest(_Common):
