@@ -107,7 +107,8 @@ def accept_advance(argmax, num_accepted, bonus, drafts, block_len, looked_up, dr
         greedy = argmax is not None
         any_i64 = start  # stands in for pointers a variant does not read
         _accept_advance_kernel[(S,)](
-            argmax.contiguous() if greedy else any_i64, any_i64 if greedy else num_accepted, any_i64 if greedy else bonus,
+            argmax.contiguous() if greedy else any_i64, any_i64 if greedy else num_accepted,
+            any_i64 if greedy else bonus,
             drafts.contiguous(), block_len, looked_up.view(torch.uint8), any_i64 if store is None else draft_slots,
             start, last, budget, real.view(torch.uint8), any_i64 if history is None else history,
             0 if history is None else history.stride(0), any_i64 if history is None else history_rows, out,
