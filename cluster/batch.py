@@ -53,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -115,16 +116,19 @@ class Replica:
         return pa.Table.from_pylist(results, schema=_result_schema())
 
     # ------------------------------------------------------------------
-    def _prompt(self, task: dict) -> str:
+    def _prompt(self, task: dict) -> str | list[int]:
         if "prompt" in task:
             return task["prompt"]
         tok = self.llm.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("the target has no chat template: give a prompt string instead of messages")
         try:
-            return tok.apply_chat_template(task["messages"], tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(task["messages"], tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja errors (e.g. a role the template rejects)
             raise ValueError(f"chat template failed: {e}") from None
+        # The template writes its own special tokens: as text, the engine's
+        # encode would add a second BOS (Llama), unlike serve and vLLM.
+        return tok.encode(text, add_special_tokens=False)
 
     def run(self, rows: list[dict]) -> list[dict]:
         from specray.sampling import SamplingParams
@@ -245,7 +249,14 @@ def _connect_ray(address: str | None, num_cpus: int | None) -> bool:
         return False
     if address:
         kw = {}
-        host = address.split("://")[-1].rsplit(":", 1)[0]
+        host, _, port = address.split("://")[-1].rpartition(":")
+        if port.isdigit():
+            # ray.init retries an address nothing listens on for good: a
+            # mistyped --address hung the job without a word.
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+            except OSError as e:
+                raise BatchError(f"no Ray cluster answers at {address} ({e}): check --address / RAY_ADDRESS") from None
         if host in ("127.0.0.1", "localhost"):
             kw["_node_ip_address"] = "127.0.0.1"  # a loopback cluster: this driver is on its node
         ray.init(address=address, logging_level="WARNING", **kw)
@@ -289,16 +300,23 @@ def _check_models(kw: dict, strict: bool) -> None:
     (a private local cluster), directories the driver cannot see are left to
     the replicas."""
     from specray.config import DrafterSpec, EngineConfig, TargetSpec
+    from specray.llm import resolve_max_model_len
 
     try:
-        EngineConfig(**{k: v for k, v in kw.items() if k not in ("backend", "tensor_parallel_size", "drafter_placement")})
+        config = EngineConfig(**{k: v for k, v in kw.items()
+                                 if k not in ("backend", "tensor_parallel_size", "drafter_placement")})
     except (TypeError, ValueError) as e:
         raise BatchError(f"bad engine setting: {e}") from None
     if not strict and not Path(kw["target"]).is_dir():
         return
     t = TargetSpec.from_dir(kw["target"])
+    # What the replicas would refuse from config.json alone: left to them,
+    # each failed to start and the job said "failed; rerun to resume".
+    resolve_max_model_len(config, t)
     if kw.get("drafter") and (strict or Path(kw["drafter"]).is_dir()):
-        DrafterSpec.from_dir(kw["drafter"]).check_fits(t)
+        d = DrafterSpec.from_dir(kw["drafter"])
+        d.check_fits(t)
+        config.draft_block_size(d.block_size)
 
 
 def default_paths(output: Path, errors: str | None, summary: str | None) -> tuple[Path, Path]:
@@ -312,6 +330,8 @@ def run(args) -> dict:
     """The whole job; returns the summary (also written beside the output)."""
     t_start = time.perf_counter()
     inp, output = Path(args.input), Path(args.output)
+    if inp.is_dir():  # e.g. a Parquet dataset as Spark / Ray Data write them
+        raise BatchError(f"input {inp} is a directory: give one .jsonl or .parquet file (one job per file)")
     if not inp.is_file():
         raise BatchError(f"input file {inp} does not exist")
     fmt = detect_format(inp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -133,6 +134,8 @@ class TargetSpec(DecoderShape):
         where = f"target {str(path)!r}"
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "")
+        if "DFlashDraftModel" in archs:  # its model_type says qwen3, but it has no embeddings or head of its own
+            raise ConfigError(f"{where} is a DFlash drafter, not a target: pass it as the drafter")
         if "Qwen3ForCausalLM" in archs or model_type == "qwen3":
             arch = "qwen3"
         elif "LlamaForCausalLM" in archs or model_type == "llama":
@@ -349,6 +352,10 @@ class EngineConfig:
                 raise ConfigError(f"{f.name} must be {f.type.replace(' | None', ' (or unset)')}, got {v!r}")
             if isinstance(v, numbers.Number) and not isinstance(v, bool):  # numpy scalars -> Python numbers
                 setattr(self, f.name, int(v) if isinstance(v, numbers.Integral) else float(v))
+        # Anything else reached torch in a worker as a RuntimeError (a
+        # traceback from the CLI, a failed replica from a batch job).
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("num_kv_blocks", "num_draft_kv_blocks"):

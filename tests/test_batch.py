@@ -252,6 +252,12 @@ def test_bad_files_and_settings_exit_2_naming_the_problem(models, tmp_path, caps
          "kv_block_size must be int"),
         (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "-3"],
          "--batch-size must be at least 1"),
+        # these three were a worker failure that said to rerun, or "does not exist"
+        (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--max-model-len", "100000"],
+         "max_model_len 100000 exceeds the target's max_position_embeddings 512"),
+        (["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--num-speculative-tokens", "50"],
+         "num_speculative_tokens 50 is more than the drafter drafts in one pass"),
+        (["--input", str(tmp_path / "odir"), "--output", str(tmp_path / "o.jsonl")], "odir is a directory: give one"),
     ]:
         assert main([*argv, *model]) == 2, argv
         assert said in capsys.readouterr().err, argv
@@ -337,6 +343,54 @@ def test_parquet_ids_past_int64_are_written_as_strings(tmp_path):
     sink.open()
     sink.finalize({id_key(1): 0, id_key(2**64 - 1): 1})
     assert [r["id"] for r in pq.read_table(out).to_pylist()] == ["1", str(2**64 - 1)]
+
+
+def test_an_address_nothing_listens_on_is_refused(models, tmp_path):
+    """A mistyped --address: ray.init retried it for good (minutes, not a
+    word on what was wrong)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "hi"}\n')
+    cmd = [sys.executable, "-m", "specray.cli", "batch", "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+           "--target", str(models / "t"), "--drafter", str(models / "d"), "--address", f"127.0.0.1:{_free_port()}"]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "no Ray cluster answers at 127.0.0.1:" in r.stderr, r.stderr[-2000:]
+
+
+def bos_adding_copy(models, dst: Path) -> Path:
+    """The target with a tokenizer that adds BOS to what it encodes (as
+    Llama's do); its chat template writes <s> itself too."""
+    from tokenizers import Tokenizer, processors
+
+    shutil.copytree(models / "t", dst)
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
+
+
+def test_messages_rows_are_not_given_a_second_bos(models, tmp_path):
+    """A messages row was rendered to text and encoded again with the
+    tokenizer's special tokens: <s><s>user: ... on a BOS-adding tokenizer,
+    where the server and vLLM encode the rendered template as it is."""
+    from transformers import AutoTokenizer
+
+    from specray import LLM, SamplingParams
+    from specray.batch import Replica
+
+    t = bos_adding_copy(models, tmp_path / "t")
+    msgs = [{"role": "user", "content": "The capital of France"}]
+    tok = AutoTokenizer.from_pretrained(str(t))
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id and ids[1] != tok.bos_token_id
+    params = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": None}
+    row = {"line": 1, "id_json": id_key("a"), "task": json.dumps({"id": "a", "messages": msgs, "params": params})}
+    replica = Replica({"target": str(t), "drafter": str(models / "d"), "num_kv_blocks": 200})
+    (got,) = replica.run([row])
+    want = LLM(t, models / "d", num_kv_blocks=200).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert got["prompt_tokens"] == len(ids)
+    assert got["text"] == want.text
 
 
 # ------------------------------------------------------------ jobs on Ray
