@@ -13,8 +13,10 @@ Per step nothing goes through Ray: the plan travels over the TP group
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -131,6 +133,26 @@ def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int,
     return tp_group if rank < tp_size else None
 
 
+def exit_on_failure(serve):
+    """A serve loop that raises ends its process: rank 0's pending broadcast /
+    all-reduce / recv with it then fail at once (the connection closes)
+    rather than after the group's timeout of 30 minutes, so rank 0 fails its
+    requests. destroy_process_group() is not enough: the connections live as
+    long as any reference to the group (the model's TP context holds one).
+    The exit waits a moment, for Ray to return the loop's error and its
+    traceback to whoever waits on the loop."""
+
+    @functools.wraps(serve)
+    def run(self):
+        try:
+            return serve(self)
+        except BaseException:
+            threading.Timer(2.0, os._exit, (1,)).start()
+            raise
+
+    return run
+
+
 class _Channels:
     """How rank 0 and a separate drafter talk: NCCL via CuPy between GPUs,
     torch.distributed gloo between CPU processes."""
@@ -199,6 +221,7 @@ class DrafterActor:
     def connect(self, kind: str, unique_id=None, peer: int | None = None) -> None:
         self.channel = _Channels.make(kind, 1, self.device, unique_id, peer)
 
+    @exit_on_failure
     def serve(self) -> int:
         """Serve rank 0 until it says stop; returns the steps served."""
         while True:
@@ -287,6 +310,7 @@ class TargetRank:
         return nccl_unique_id()
 
     # follower ranks
+    @exit_on_failure
     def serve_follower(self) -> int:
         steps = 0
         while True:

@@ -33,6 +33,9 @@ class _LocalCore:
     def get_outputs(self, cursor, timeout):
         return self.loop.get_outputs(cursor, timeout)
 
+    def check_workers(self, timeout: float = 0.0) -> None:
+        pass  # no worker runs apart from the loop
+
     async def asubmit(self, items):
         # Off the event loop: submitting tokenizes (long prompts take seconds).
         return await asyncio.to_thread(self.submit, items)
@@ -67,6 +70,18 @@ class _RayCore:
 
     def get_outputs(self, cursor, timeout):
         return self.ray.get(self.driver.get_outputs.remote(cursor, timeout))
+
+    def check_workers(self, timeout: float = 0.0) -> None:
+        """Raise the error of a follower or drafter whose serve loop ended
+        (those loops end only at shutdown): its own traceback, or that it
+        died, says more than what rank 0 saw of it."""
+        loops = self.actors.loops
+        if not loops:
+            return
+        done, _ = self.ray.wait(loops, num_returns=1, timeout=timeout)
+        if done:
+            self.ray.get(done[0])
+            raise RuntimeError("a worker of the engine stopped serving")
 
     async def asubmit(self, items):
         return await self.driver.submit.remote(items)
@@ -201,11 +216,18 @@ def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[Req
     done: dict[str, RequestOutput] = {}
     try:
         while len(done) < len(ids):
+            # A worker that failed may have left rank 0 waiting on it.
+            core.check_workers()
             core.cursor, outs = core.get_outputs(core.cursor, 1.0)
             for o in outs:
                 if o.finished and o.request_id in wanted:
+                    if o.finish_reason == "error":
+                        # What made the step fail, if a worker did (a moment
+                        # for its failure to be recorded), else the step's.
+                        core.check_workers(timeout=2.0)
+                        raise RuntimeError(f"the engine failed a step of this generate call:\n{o.error}")
                     done[o.request_id] = o
-    except BaseException:  # interrupted: the engine must not keep generating them
+    except BaseException:  # interrupted or failed: the engine must not keep generating them
         core.abort([i for i in ids if i not in done])
         raise
     return [done[i] for i in ids]

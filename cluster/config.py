@@ -128,6 +128,19 @@ class TargetSpec(DecoderShape):
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """What sharding the layers over ``tp`` ranks needs (the workers
+        check it too, but only once a cluster and its actors are up)."""
+        if self.num_heads % tp:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) is not divisible by tensor_parallel_size ({tp})")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ConfigError(f"num_key_value_heads ({self.num_kv_heads}) and tensor_parallel_size ({tp}) "
+                              "must divide one another")
+        if self.intermediate_size % tp:
+            raise ConfigError(
+                f"intermediate_size ({self.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"
+            )
+
     @staticmethod
     def from_dir(path: str | os.PathLike) -> "TargetSpec":
         cfg = read_config_json(path)

@@ -159,9 +159,12 @@ class EngineLoop:
                     self.num_steps += 1
                 except Exception:
                     # Fail what was in flight, free its blocks, keep serving.
-                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    # The traceback travels with the outputs: in a Ray actor
+                    # the log is not where the caller looks.
+                    error = traceback.format_exc()
+                    log.error("engine step failed:\n%s", error)
                     for out in self._abort_all():
-                        out.finish_reason = "error"
+                        out.finish_reason, out.error = "error", error
                         outputs.append(out)
             if outputs:
                 with self._cv:

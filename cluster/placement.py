@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 
 from specray.config import ConfigError, EngineConfig, TargetSpec
@@ -57,6 +58,10 @@ class EngineActors:
     placement_group: object
     loops: list = field(default_factory=list)  # refs of the blocking serve loops
     rendezvous_dir: str | None = None  # the file store of a one-node process group
+    # Ray ends the actors with their last handle, but a placement group lives
+    # (its GPUs reserved) until removed: an engine dropped without shutdown()
+    # releases it and the rendezvous directory when collected.
+    release: weakref.finalize | None = None
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         import ray
@@ -69,9 +74,22 @@ class EngineActors:
         for a in [*self.ranks, self.drafter]:
             if a is not None:
                 ray.kill(a)
-        ray.util.remove_placement_group(self.placement_group)
-        if self.rendezvous_dir is not None:
-            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+        if self.release is not None:
+            self.release()
+        else:
+            _release(self.placement_group, self.rendezvous_dir)
+
+
+def _release(placement_group, rendezvous_dir: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        try:
+            ray.util.remove_placement_group(placement_group)
+        except Exception:
+            pass  # at exit, Ray may be going down with the job (which removes it)
+    if rendezvous_dir is not None:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
 def _check_resources(ray, need: dict[str, float]) -> None:
@@ -97,10 +115,7 @@ def start_engine_actors(
     if tp < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {tp}")
     target_spec = TargetSpec.from_dir(config.target)
-    if target_spec.num_heads % tp:
-        raise ConfigError(
-            f"num_attention_heads ({target_spec.num_heads}) is not divisible by tensor_parallel_size ({tp})"
-        )
+    target_spec.check_tensor_parallel(tp)
     if config.drafter:
         from specray.config import DrafterSpec
 
@@ -141,6 +156,7 @@ def start_engine_actors(
     except BaseException:
         actors.shutdown(timeout_s=5)
         raise
+    actors.release = weakref.finalize(actors, _release, pg, actors.rendezvous_dir)
     return actors
 
 

@@ -64,11 +64,12 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     metrics: RequestMetrics
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string hit
+    error: str | None = None  # finish_reason "error": the failed step's traceback
 
 
 @dataclass
