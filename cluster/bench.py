@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not Path(args.prompts).is_file():  # before two models load, not after
+        p.error(f"--prompts {args.prompts}: no such file (the default is relative to the repository root: "
+                "run from there or pass --prompts)")
 
     from specray import LLM, SamplingParams
     from specray.cli import resolve_models

@@ -27,3 +27,18 @@ def test_bench_reports_both_engines(tmp_path):
     for r in (greedy, sampled):
         assert r["spec_tokens"] > 0 and r["ar_tokens"] > 0 and r["mean_acceptance_length"] >= 1
         assert len(r["per_prompt"]) == 3
+
+
+def test_a_missing_prompt_set_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    """The default prompt set is relative to the repository root: run
+    elsewhere, bench loaded both models and then failed with a traceback."""
+    import pytest
+
+    import specray
+    from specray.bench import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(specray, "LLM", lambda *a, **k: pytest.fail("models loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["--target", str(tmp_path), "--drafter", str(tmp_path)])
+    assert e.value.code == 2 and "data/prompts/eval.jsonl: no such file" in capsys.readouterr().err
