@@ -4,9 +4,34 @@ drafters in the authors' format, saved as safetensors directories."""
 from __future__ import annotations
 
 import json
+import random
+import socket
 from pathlib import Path
 
 import torch
+
+def free_port() -> int:
+    """A free loopback port for a server a test starts. Not bind(0)'s: Ray's
+    own processes take ports from the kernel's ephemeral range as they start
+    (and its workers 10002-19999), so one chosen there could be taken
+    between choosing it and serving on it (a Serve proxy then failed to bind
+    its gRPC port)."""
+    for _ in range(500):
+        port = random.randrange(20000, 32000)
+        if port in _PORTS_GIVEN:  # several chosen before any is bound
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+_PORTS_GIVEN: set[int] = set()
+
 
 TINY = dict(
     vocab_size=320,

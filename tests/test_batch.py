@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from factories import add_tokenizer, make_drafter, make_target
+from factories import add_tokenizer, free_port, make_drafter, make_target
 
 pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
@@ -33,11 +32,6 @@ MAX_TOKENS = 12
 SHORT_MAX_TOKENS = 5
 CONTENT_CHARS = 90  # truncated eval prompts: short prompts for a tiny model
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -67,7 +61,7 @@ class Head:
     it). It starts in the background; ``wait()`` blocks until it serves."""
 
     def __init__(self):
-        ports = {k: _free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
+        ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
                                            "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                            "runtime-env-agent-port", "metrics-export-port")}
         self.temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")
@@ -351,7 +345,7 @@ def test_an_address_nothing_listens_on_is_refused(models, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": 1, "prompt": "hi"}\n')
     cmd = [sys.executable, "-m", "specray.cli", "batch", "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
-           "--target", str(models / "t"), "--drafter", str(models / "d"), "--address", f"127.0.0.1:{_free_port()}"]
+           "--target", str(models / "t"), "--drafter", str(models / "d"), "--address", f"127.0.0.1:{free_port()}"]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and "no Ray cluster answers at 127.0.0.1:" in r.stderr, r.stderr[-2000:]
 

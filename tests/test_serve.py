@@ -25,7 +25,7 @@ import yaml
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-from factories import add_tokenizer, make_drafter, make_target  # noqa: E402
+from factories import add_tokenizer, free_port, make_drafter, make_target  # noqa: E402
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -52,11 +52,6 @@ PROMPTS = [
     "at once", "is Paris.",
 ]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -136,7 +131,7 @@ def server(tmp_path_factory):
     # address="local": a fresh cluster even if `ray start` left an address file.
     ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
              logging_level="ERROR")
-    srv = Server(root, _free_port(), _free_port())
+    srv = Server(root, free_port(), free_port())
     cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
     cfg["http_options"].update(host="127.0.0.1", port=srv.http_port)
     cfg["grpc_options"]["port"] = srv.grpc_port

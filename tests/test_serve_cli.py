@@ -5,7 +5,6 @@ stats, keeps serving, and shuts down cleanly on Ctrl-C (SIGINT)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,22 +13,17 @@ import urllib.request
 
 import pytest
 
-from factories import add_tokenizer, make_drafter, make_target
+from factories import add_tokenizer, free_port, make_drafter, make_target
 
 pytest.importorskip("ray")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
     hf = make_target(tmp_path / "t", seed=2)
     add_tokenizer(tmp_path / "t", hf.config.vocab_size)
     make_drafter(tmp_path / "d", hf.config, seed=12, block_size=8)
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
                SPECRAY_API_KEY="cli-key")
     env.pop("RAY_ADDRESS", None)
