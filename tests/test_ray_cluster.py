@@ -319,7 +319,7 @@ def test_two_engines_at_once_then_nothing_left(cluster):
 
 def test_tp_that_cannot_shard_the_model_is_a_config_error_before_actors(cluster, tmp_path):
     # 6 heads split 3 ways, but 2 KV heads do not (nor 3 ways 2); and
-    # intermediate_size 100 does not split 4 ways.
+    # intermediate_size 102 does not split 4 ways.
     for name, shape, tp in (("kv", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, head_dim=16), 3),
                             ("mlp", dict(intermediate_size=102), 4)):
         make_target(tmp_path / name, seed=2, **shape)
