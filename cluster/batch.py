@@ -74,6 +74,7 @@ from specray.batch_io import (
 )
 from specray.cli import add_model_args
 from specray.config import ConfigError
+from specray.detokenizer import chat_prompt_ids
 from specray.request import PromptsRefused
 
 
@@ -123,12 +124,9 @@ class Replica:
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("the target has no chat template: give a prompt string instead of messages")
         try:
-            text = tok.apply_chat_template(task["messages"], tokenize=False, add_generation_prompt=True)
+            return chat_prompt_ids(tok, task["messages"])
         except Exception as e:  # jinja errors (e.g. a role the template rejects)
             raise ValueError(f"chat template failed: {e}") from None
-        # The template writes its own special tokens: as text, the engine's
-        # encode would add a second BOS (Llama), unlike serve and vLLM.
-        return tok.encode(text, add_special_tokens=False)
 
     def run(self, rows: list[dict]) -> list[dict]:
         from specray.sampling import SamplingParams

@@ -16,22 +16,19 @@ import time
 from pathlib import Path
 
 from specray.cli import add_model_args
+from specray.detokenizer import chat_prompt_ids
 
 
 def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[tuple[str, str | list[int]]]:
-    """``(id, prompt)`` from a JSONL of ``messages`` or ``prompt`` rows: a
-    ``messages`` row as the token ids of its rendered chat template, encoded
-    as written (the template carries its own special tokens: as text, the
-    engine's encode would add a second BOS for tokenizers that add one, unlike
-    /v1/chat/completions and vLLM)."""
+    """``(id, prompt)`` from a JSONL of ``messages`` or ``prompt`` rows (a
+    ``messages`` row as its chat template's token ids, as served)."""
     rows = []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
         row = json.loads(line)
         if "messages" in row:
-            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            prompt = tokenizer.encode(text, add_special_tokens=False)
+            prompt = chat_prompt_ids(tokenizer, row["messages"])
         else:
             prompt = row["prompt"]
         rows.append((row.get("id", str(len(rows))), prompt))

@@ -63,11 +63,9 @@ def cmd_generate(args) -> int:
     load_s = time.perf_counter() - t
     prompt = args.prompt
     if args.chat and llm.tokenizer is not None:
-        text = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        # The template writes its own special tokens (a second BOS otherwise).
-        prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+        from specray.detokenizer import chat_prompt_ids
+
+        prompt = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": prompt}])
     t = time.perf_counter()
     out = llm.generate(prompt, _sampling(args))[0]
     gen_s = time.perf_counter() - t

@@ -21,6 +21,15 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """``messages`` through the chat template, as /v1/chat/completions and
+    vLLM take them: the template writes its own special tokens, so the text
+    is encoded without adding more (a second BOS, for tokenizers that add
+    one)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def max_prompt_chars(tokenizer, max_tokens: int) -> float:
     """A length in characters beyond which a text surely takes more than
     ``max_tokens`` tokens, so that an absurdly long prompt is refused
