@@ -129,8 +129,8 @@ class TargetSpec(DecoderShape):
         return self.arch == "qwen3"
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """What sharding the layers over ``tp`` ranks needs (the workers
-        check it too, but only once a cluster and its actors are up)."""
+        """What sharding the layers over ``tp`` ranks needs: checked before
+        any actor starts, and by the model as it is built."""
         if self.num_heads % tp:
             raise ConfigError(f"num_attention_heads ({self.num_heads}) is not divisible by tensor_parallel_size ({tp})")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:

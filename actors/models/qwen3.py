@@ -49,24 +49,16 @@ class TargetModel:
         self.tp = tp
         self.dtype = dtype
         self.device = torch.device(device)
+        spec.check_tensor_parallel(tp.size)
         self.num_q_heads = spec.num_heads // tp.size
-        if spec.num_heads % tp.size:
-            raise ValueError(
-                f"num_attention_heads ({spec.num_heads}) is not divisible by tensor_parallel_size ({tp.size})"
-            )
         if spec.num_kv_heads % tp.size == 0:
             self.num_kv_heads = spec.num_kv_heads // tp.size
             self.kv_head_start = tp.rank * self.num_kv_heads
-        elif tp.size % spec.num_kv_heads == 0:
+        else:
             # More ranks than KV heads: each rank keeps the one KV head its
             # query heads read.
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * spec.num_kv_heads // tp.size
-        else:
-            raise ValueError(
-                f"num_key_value_heads ({spec.num_kv_heads}) and tensor_parallel_size ({tp.size}) "
-                "must divide one another"
-            )
         self.head_dim = spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.rotary = Rotary(spec.rope, spec.head_dim, max_positions, self.device)
