@@ -216,9 +216,9 @@ def generate_sync(core, prompts: list, params: list[SamplingParams]) -> list[Req
     done: dict[str, RequestOutput] = {}
     try:
         while len(done) < len(ids):
-            # A worker that failed may have left rank 0 waiting on it.
-            core.check_workers()
             core.cursor, outs = core.get_outputs(core.cursor, 1.0)
+            if not outs:  # a quiet second: a failed worker may have left rank 0 waiting on it
+                core.check_workers()
             for o in outs:
                 if o.finished and o.request_id in wanted:
                     if o.finish_reason == "error":
