@@ -151,3 +151,12 @@ class BulkGenerator:
             log(f"gen: {i + len(chunk)}/{len(prompts)} prompts, batch of {len(chunk)}: {toks} tokens in "
                 f"{last:.1f}s = {toks / max(last, 1e-9):.0f} tok/s (T={temperature})")
         return outs
+
+
+if __name__ == "__main__":
+    # A library for train_drafter.py, not a script: say so instead of exiting silently.
+    import sys
+
+    print(__doc__.strip() + "\n\nNo command line of its own: run examples/train_drafter.py "
+          "(--gen-only stops after this data stage).", file=sys.stderr)
+    sys.exit(0 if set(sys.argv[1:]) & {"-h", "--help"} else 2)
