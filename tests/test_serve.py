@@ -162,17 +162,27 @@ def server(tmp_path_factory):
 
 
 def test_checked_in_stubs_match_the_proto(tmp_path):
-    """specray_pb2.py was generated from the specray.proto in the tree."""
+    """The three checked-in stubs were generated from the specray.proto in
+    the tree. Only specray_pb2.py was compared: a proto changed without
+    regenerating specray_pb2_grpc.py (whose handlers Serve's proxy
+    registers) passed."""
     import ast
 
     protoc = pytest.importorskip("grpc_tools.protoc")
     serve_dir = REPO / "cluster/serve"
-    rc = protoc.main(["protoc", f"-Ispecray/serve={serve_dir}", f"--python_out={tmp_path}",
-                      str(serve_dir / "specray.proto")])
+    rc = protoc.main(["protoc", f"-Ispecray/serve={serve_dir}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
+                      f"--grpc_python_out={tmp_path}", str(serve_dir / "specray.proto")])
     assert rc == 0
-    text = (tmp_path / "specray/serve/specray_pb2.py").read_text()
+    out = tmp_path / "specray/serve"
+    text = (out / "specray_pb2.py").read_text()
     literal = text.split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]
     assert ast.literal_eval(literal) == pb.DESCRIPTOR.serialized_pb, "regenerate the stubs (see specray.proto)"
+
+    def lines(path: Path) -> list[str]:  # the generator's version aside (pinned in pyproject)
+        return [line for line in path.read_text().splitlines() if not line.startswith("GRPC_GENERATED_VERSION")]
+
+    for name in ("specray_pb2_grpc.py", "specray_pb2.pyi"):
+        assert lines(serve_dir / name) == lines(out / name), f"regenerate {name} (see specray.proto)"
 
 
 def test_yaml_deploys_the_app(server):
@@ -485,6 +495,35 @@ def test_grpc_streams_the_same_tokens_as_http(server):
         with pytest.raises(grpc.RpcError) as e:
             stub.ListModels(pb.ListModelsRequest())
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_request_size_is_bounded_like_http(server):
+    """Serve's gRPC proxy takes messages up to 2 GB, and max_request_bytes
+    bounded HTTP bodies only: a 1 MB request_id came back in every message,
+    and a prompt of millions of ids travelled whole to the engine, which
+    took seconds to refuse it. Too large a request gets RESOURCE_EXHAUSTED
+    (gRPC's code for an oversized message; HTTP's 413), and a prompt that its
+    length alone rules out is refused before it reaches the engine."""
+    md = [("authorization", f"Bearer {API_KEY}")]
+    server.wait_idle()
+    submits = server.stats()["calls"]["submit"]
+    channel, stub = _grpc_stub(server)
+    with channel:
+        for request, code in [
+            (pb.GenerateRequest(prompt="Hello", request_id="x" * BODY_LIMIT, params=pb.SamplingParams(max_tokens=2)),
+             grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(max_tokens=2, stop=["y" * BODY_LIMIT])),
+             grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 300_000)), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.GenerateRequest(prompt="a " * 300_000), grpc.StatusCode.INVALID_ARGUMENT),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, metadata=md))
+            assert e.value.code() == code, e.value.details()[:200]
+            assert str(BODY_LIMIT) in e.value.details() or "256" in e.value.details(), e.value.details()[:200]
+    status, _, body = server.request("POST", "/v1/completions", {"prompt": [5] * 300_000, "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert server.stats()["calls"]["submit"] == submits  # none of them reached the engine
 
 
 def test_grpc_example_client(server):

@@ -75,7 +75,7 @@ class ServeArgs(BaseModel):
     model_name: str | None = None  # served id; default: the target directory's name
     max_queued_requests: int = Field(64, ge=0)  # admitted beyond max_num_seqs
     retry_after_s: int = Field(1, ge=0)
-    max_request_bytes: int = Field(32 << 20, ge=1024)  # larger bodies get a 413
+    max_request_bytes: int = Field(32 << 20, ge=1024)  # larger bodies get a 413, gRPC RESOURCE_EXHAUSTED
     request_body_timeout_s: float = Field(30.0, gt=0)  # a body still arriving after this gets a 408
     api_key: str | None = None  # default: env SPECRAY_API_KEY
     num_replicas: int = Field(1, ge=1)
@@ -161,8 +161,9 @@ async def _internal_error(request: Request, e: Exception):
     return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
 
-_GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
-               500: "INTERNAL", 503: "UNAVAILABLE"}
+# 413: gRPC answers a message over its size limit with RESOURCE_EXHAUSTED.
+_GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+               429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 
 
 class _GrpcAbort(Exception):
@@ -301,6 +302,23 @@ class SpecRayServer:
                 f"{len(ids)} tokens, leaving none to generate.", "messages", "context_length_exceeded")
         return ids
 
+    def _check_prompt_length(self, prompt) -> None:
+        """Refuses here what the engine would refuse by its length alone:
+        the engine would first receive the whole prompt and walk every id
+        (seconds for a few million, every stream of the engine slowed)."""
+        from specray.request import PromptTooLong
+
+        limit = self.max_model_len
+        if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise P.prompt_error(PromptTooLong(
+                    f"prompt has {len(prompt)} characters, more than {limit - 1} tokens can spell "
+                    f"(max_model_len {limit}, minus one token to generate)"), "prompt")
+        elif len(prompt) >= limit:
+            raise P.prompt_error(PromptTooLong(
+                f"prompt has {len(prompt)} tokens; this model takes at most {limit - 1} "
+                f"(max_model_len {limit}, minus one token to generate)"), "prompt")
+
     def _render_chat(self, messages: list[dict]) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -376,6 +394,7 @@ class SpecRayServer:
                 req = P.parse(P.CompletionRequest, body)
                 self._check_model(req.model)
                 prompt = req.prompt
+                self._check_prompt_length(prompt)
                 params = req.sampling_params(req.max_new_tokens())
                 rid = P.new_id("cmpl")
             lease = self._admit(endpoint)
@@ -495,13 +514,20 @@ class SpecRayServer:
     async def _grpc_inputs(self, request):
         from specray.sampling import SamplingParams
 
+        # Serve's proxy takes messages up to 2 GB: the bound HTTP bodies have.
+        size, limit = request.ByteSize(), self.settings.max_request_bytes
+        if size > limit:
+            raise P.APIError(413, f"The request has {size} bytes; this server takes at most {limit}.",
+                             "invalid_request_error", None, "request_too_large")
         self._check_model(request.model or None)
         which = request.WhichOneof("input")
         if which is None:
             raise P.bad_request("one of prompt, prompt_token_ids or messages is required", "input")
         if which == "prompt":
             prompt = request.prompt
+            self._check_prompt_length(prompt)
         elif which == "prompt_token_ids":
+            self._check_prompt_length(request.prompt_token_ids.ids)
             prompt = list(request.prompt_token_ids.ids)
         else:
             try:

@@ -52,6 +52,10 @@ class SpecRayServicer:
     def Generate(self, request, context):
         """Streams the completion: one message per batch of new tokens, the last
         with finished = true, the finish reason, usage and acceptance stats.
+        Errors: INVALID_ARGUMENT (a bad parameter, a prompt too long for
+        max_model_len), NOT_FOUND (another model), UNAUTHENTICATED,
+        RESOURCE_EXHAUSTED (the replica is at capacity, or the request is larger
+        than the server's max_request_bytes), INTERNAL (the engine failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
