@@ -18,6 +18,7 @@ Ray actor group in the distributed backend.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import random
 import threading
@@ -63,7 +64,7 @@ def _token_ids(prompt) -> list[int]:
     ids = []
     for i, t in enumerate(prompt):
         try:
-            if isinstance(t, bool):
+            if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:  # a bool tensor has __index__
                 raise TypeError
             ids.append(operator.index(t))
         except TypeError:
@@ -155,6 +156,11 @@ class EngineCore:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        # The request keeps its own copy, validated again: a caller may reuse
+        # and change its object for the next request, and a field made
+        # invalid after construction must be refused here, not fail a step
+        # that every request in flight shares.
+        params = dataclasses.replace(params)
         request_id = request_id or uuid.uuid4().hex
         prompt_text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:

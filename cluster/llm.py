@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -76,8 +77,11 @@ def build_engine(config: EngineConfig) -> EngineCore:
         )
     workers = [w for w in (target, drafter) if w is not None]
     num_blocks = size_kv_pools(config, workers)
-    for w in workers:
-        w.init_cache(num_blocks, config.kv_block_size)
+    # The drafter's pool may be sized apart, as the Ray backend allows.
+    num_draft_blocks = (config.num_draft_kv_blocks or num_blocks) if drafter else None
+    target.init_cache(num_blocks, config.kv_block_size)
+    if drafter is not None:
+        drafter.init_cache(num_draft_blocks, config.kv_block_size)
     core = EngineCore(
         config,
         target_spec,
@@ -87,7 +91,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         load_tokenizer(config.target),
         max_model_len,
         num_target_blocks=num_blocks,
-        num_draft_blocks=num_blocks if drafter else None,
+        num_draft_blocks=num_draft_blocks,
     )
     if config.cuda_graphs:
         enable_decode_graphs(config, core.block_size, target, drafter)
@@ -102,6 +106,23 @@ def enable_decode_graphs(config: EngineConfig, block_size: int, target, local_dr
     target.enable_prefill_graphs(config.kv_block_size, config.max_num_batched_tokens, want_hidden=want_hidden)
     if local_drafter is not None:
         local_drafter.enable_decode_graphs(config.max_num_seqs, config.kv_block_size, block_size)
+
+
+def _iterable(x) -> bool:
+    # A 0-d array or tensor has __iter__ but cannot be iterated.
+    return hasattr(x, "__iter__") and getattr(x, "ndim", None) != 0
+
+
+def _is_token_id(x) -> bool:
+    """An integer, numpy's and a 0-d integer tensor's too (a list of those
+    is one prompt); not True / False."""
+    if isinstance(x, (bool, str)) or getattr(x, "ndim", 0) != 0:
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 class LLM:
@@ -154,17 +175,20 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A prompt is text or a list of token ids.
         Every prompt is validated before any runs."""
-        if prompts is None or isinstance(prompts, (int, bytes, dict)):
+        if isinstance(prompts, (bytes, dict)) or not _iterable(prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
         # One prompt: text, or its ids as an array / tensor or a list of ints.
         if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
             prompts = [prompts]
         prompts = list(prompts)
-        if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+        if prompts and _is_token_id(prompts[0]):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        elif isinstance(params, (str, bytes, dict)) or not _iterable(params):
+            # list() of a dict of settings would name its first key's type.
+            raise ValueError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

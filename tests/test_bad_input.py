@@ -93,6 +93,32 @@ def test_engine_keeps_serving_after_bad_requests(ckpt):
     assert done.request_id == good and len(done.token_ids) == 20
 
 
+def test_a_request_keeps_its_own_validated_params(ckpt):
+    """The engine held the caller's SamplingParams object: changing it for
+    the next request changed the first one's max_tokens, and a field made
+    invalid after construction reached a step, whose failure ended every
+    request in flight (an OverflowError for a seed beyond int64)."""
+    root, _ = ckpt
+    llm = LLM(str(root / "t"), str(root / "d"), num_kv_blocks=64)
+    engine = llm.engine
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    first = engine.add_request([5, 6, 7], p)
+    p.max_tokens = 9
+    second = engine.add_request([5, 6, 8], p)
+    for field, value, match in (("seed", 2**70, "seed must fit"), ("max_tokens", None, "max_tokens must be an integer"),
+                                ("temperature", -1.0, "temperature must be non-negative"), ("stop", 5, "stop must be")):
+        bad = SamplingParams(max_tokens=4, temperature=1.0)
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=match):
+            engine.add_request([5, 9], bad)
+        with pytest.raises(PromptsRefused, match=match):
+            llm.generate([5, 9], bad)
+    lengths = {}
+    while engine.has_unfinished():
+        lengths |= {o.request_id: len(o.token_ids) for o in engine.step() if o.finished}
+    assert lengths == {first: 3, second: 9}
+
+
 def test_prompts_of_the_wrong_kind_are_named(ckpt):
     root, _ = ckpt
     llm = LLM(str(root / "t"), str(root / "d"), num_kv_blocks=64)
@@ -110,6 +136,28 @@ def test_prompts_of_the_wrong_kind_are_named(ckpt):
     if not __import__("torch").cuda.is_available():
         with pytest.raises(ConfigError, match="sees no CUDA device"):  # was an AssertionError from torch
             LLM(str(root / "t"), device="cuda")
+
+
+def test_generate_names_prompts_and_params_of_the_wrong_shape(ckpt):
+    """A float or a 0-d tensor as the prompts raised a bare TypeError from
+    list(); a dict of settings as the params was refused as "got str" (its
+    keys); a list of numpy integers was taken as that many prompts, and a
+    bool tensor as token ids."""
+    import numpy as np
+    import torch
+
+    root, _ = ckpt
+    llm = LLM(str(root / "t"), num_kv_blocks=64)
+    for prompts in (1.5, torch.tensor(3), np.int64(3)):
+        with pytest.raises(ValueError, match="prompts must be a string, a list of token ids"):
+            llm.generate(prompts)
+    for params in ({"max_tokens": 2}, "greedy", 3):
+        with pytest.raises(ValueError, match=f"params must be SamplingParams or a list of them, got {type(params).__name__}"):
+            llm.generate([5, 6, 7], params)
+    with pytest.raises(PromptsRefused, match="must be integers, got tensor.True. at index 0"):
+        llm.generate(torch.tensor([True, False]))  # was read as [1, 0]
+    outs = llm.generate([np.int64(5), np.int64(6), np.int64(7)], SamplingParams(max_tokens=2, temperature=0))
+    assert len(outs) == 1 and outs[0].prompt_token_ids == [5, 6, 7] and len(outs[0].token_ids) == 2
 
 
 def test_interrupted_generate_leaves_nothing_behind(ckpt, monkeypatch):

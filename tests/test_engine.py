@@ -149,3 +149,29 @@ def test_prompt_length_bound_only_where_it_is_sure(ckpt):
     tok.add_tokens([AddedToken("<|x|>", lstrip=True, rstrip=True)])
     assert len(tok.encode("<|x|>" + " " * 5000 + "<|x|>", add_special_tokens=False)) <= 3
     assert max_prompt_chars(tok, 100) == float("inf")
+
+
+def test_a_smaller_drafter_pool_preempts_and_changes_no_output(ckpt):
+    """num_draft_kv_blocks sizes the drafter's context pool (the in-process
+    engine gave it the target's size whatever was asked). When only that
+    pool runs dry, requests are preempted and resume with the same tokens,
+    greedy and seeded."""
+    def build(num_draft_kv_blocks):
+        return build_engine(EngineConfig(target=str(ckpt / "t"), drafter=str(ckpt / "d"), kv_block_size=4,
+                                         num_kv_blocks=200, num_draft_kv_blocks=num_draft_kv_blocks,
+                                         max_model_len=64, max_num_batched_tokens=32))
+
+    def generate(engine):
+        for i in range(4):
+            engine.add_request([20 + i] * (5 + 7 * i), SamplingParams(
+                max_tokens=30, temperature=0.9 * (i % 2), seed=i, ignore_eos=True), request_id=str(i))
+        return {rid: outs[-1] for rid, outs in run(engine).items()}
+
+    want = generate(build(None))
+    engine = build(17)  # 16 blocks: 64 positions, one request at its longest
+    assert engine.drafter.kv_cache.shape[2] == engine.scheduler.draft_pool.num_blocks == 17
+    got = generate(engine)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+    assert sum(o.metrics.num_preemptions for o in got.values()) > 0
+    pools = (engine.scheduler.target_pool, engine.scheduler.draft_pool)
+    assert all(p.num_free == p.capacity for p in pools)
