@@ -294,7 +294,8 @@ class SpecRayServer:
         is not safe to share between threads."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise P.bad_request("This model has no chat template; use /v1/completions.", "messages")
+            raise P.bad_request("This model has no chat template; send a plain prompt (/v1/completions, or the gRPC "
+                                 "prompt field).", "messages")
         ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._render_chat, messages)
         if len(ids) >= self.max_model_len:
             raise P.bad_request(
