@@ -515,7 +515,7 @@ class SpecRayServer:
     async def _grpc_inputs(self, request):
         from specray.sampling import SamplingParams
 
-        # Serve's proxy takes messages up to 2 GB: the bound HTTP bodies have.
+        # Serve's proxy takes messages up to 2 GB; hold them to the bound HTTP bodies have.
         size, limit = request.ByteSize(), self.settings.max_request_bytes
         if size > limit:
             raise P.APIError(413, f"The request has {size} bytes; this server takes at most {limit}.",
