@@ -546,9 +546,9 @@ class EngineCore:
                 ctx_slots.extend(r.draft_blocks.slots(p.start, p.end))
             row += p.end - p.start
             self.scheduler.commit(r, p.end)
-            if p.is_last_chunk:
-                if not r.output_token_ids:
-                    self._append(r, [next(first_iter)])
+            # A resumed request's re-prefill adds no token: nothing to report.
+            if p.is_last_chunk and not r.output_token_ids:
+                self._append(r, [next(first_iter)])
                 outputs.append(self._output(r))
         if whole:
             self.drafter.store_context(

@@ -155,7 +155,8 @@ def test_a_smaller_drafter_pool_preempts_and_changes_no_output(ckpt):
     """num_draft_kv_blocks sizes the drafter's context pool (the in-process
     engine gave it the target's size whatever was asked). When only that
     pool runs dry, requests are preempted and resume with the same tokens,
-    greedy and seeded."""
+    greedy and seeded, and a resumed request's re-prefill emits no output
+    of its own (it has no new token: streams saw an empty chunk)."""
     def build(num_draft_kv_blocks):
         return build_engine(EngineConfig(target=str(ckpt / "t"), drafter=str(ckpt / "d"), kv_block_size=4,
                                          num_kv_blocks=200, num_draft_kv_blocks=num_draft_kv_blocks,
@@ -165,12 +166,14 @@ def test_a_smaller_drafter_pool_preempts_and_changes_no_output(ckpt):
         for i in range(4):
             engine.add_request([20 + i] * (5 + 7 * i), SamplingParams(
                 max_tokens=30, temperature=0.9 * (i % 2), seed=i, ignore_eos=True), request_id=str(i))
-        return {rid: outs[-1] for rid, outs in run(engine).items()}
+        return run(engine)
 
-    want = generate(build(None))
+    want = {k: outs[-1] for k, outs in generate(build(None)).items()}
     engine = build(17)  # 16 blocks: 64 positions, one request at its longest
     assert engine.drafter.kv_cache.shape[2] == engine.scheduler.draft_pool.num_blocks == 17
-    got = generate(engine)
+    streams = generate(engine)
+    assert all(o.delta_token_ids for outs in streams.values() for o in outs if not o.finished)
+    got = {k: outs[-1] for k, outs in streams.items()}
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
     assert sum(o.metrics.num_preemptions for o in got.values()) > 0
     pools = (engine.scheduler.target_pool, engine.scheduler.draft_pool)
