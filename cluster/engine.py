@@ -39,7 +39,7 @@ from specray.detokenizer import (
     stop_holdback,
 )
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
-from specray.request import PromptTooLong, Request, RequestOutput
+from specray.request import Request, RequestOutput, check_prompt_length
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors, host_to_device, verify
 from specray.scheduler import DecodeItem, PrefillItem, Scheduler
@@ -163,11 +163,7 @@ class EngineCore:
         params = dataclasses.replace(params)
         request_id = request_id or uuid.uuid4().hex
         prompt_text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLong(
-                f"prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len}, minus one token to generate)"
-            )
+        check_prompt_length(ids, self.max_model_len, self.max_prompt_chars)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, prompt_text, ids, params, seed, self.target_spec.eos_token_ids)
         init_detokenizer(req)
@@ -181,11 +177,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("the target checkpoint ships no tokenizer: pass token ids as the prompt")
-            if len(prompt) > self.max_prompt_chars:
-                raise PromptTooLong(
-                    f"prompt has {len(prompt)} characters, more than {self.max_model_len - 1} tokens can spell "
-                    f"(max_model_len {self.max_model_len}, minus one token to generate)"
-                )
+            check_prompt_length(prompt, self.max_model_len, self.max_prompt_chars)
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:

@@ -140,6 +140,23 @@ class PromptTooLong(ValueError):
     serving layer answers it with OpenAI's ``context_length_exceeded``)."""
 
 
+def check_prompt_length(prompt, max_model_len: int, max_prompt_chars: float) -> None:
+    """Raise PromptTooLong for a prompt its length alone rules out: token ids
+    that leave no room to generate, or a text longer than ``max_prompt_chars``
+    (more characters than ``max_model_len - 1`` tokens can spell)."""
+    if isinstance(prompt, str):
+        if len(prompt) > max_prompt_chars:
+            raise PromptTooLong(
+                f"prompt has {len(prompt)} characters, more than {max_model_len - 1} tokens can spell "
+                f"(max_model_len {max_model_len}, minus one token to generate)"
+            )
+    elif len(prompt) >= max_model_len:
+        raise PromptTooLong(
+            f"prompt has {len(prompt)} tokens; this model takes at most {max_model_len - 1} "
+            f"(max_model_len {max_model_len}, minus one token to generate)"
+        )
+
+
 class PromptsRefused(ValueError):
     """Some prompts of a batch were refused, so none of it ran: ``refused``
     holds (index in the batch, reason) for each."""

@@ -307,18 +307,12 @@ class SpecRayServer:
         """Refuses here what the engine would refuse by its length alone:
         the engine would first receive the whole prompt and walk every id
         (seconds for a few million, every stream of the engine slowed)."""
-        from specray.request import PromptTooLong
+        from specray.request import PromptTooLong, check_prompt_length
 
-        limit = self.max_model_len
-        if isinstance(prompt, str):
-            if len(prompt) > self.max_prompt_chars:
-                raise P.prompt_error(PromptTooLong(
-                    f"prompt has {len(prompt)} characters, more than {limit - 1} tokens can spell "
-                    f"(max_model_len {limit}, minus one token to generate)"), "prompt")
-        elif len(prompt) >= limit:
-            raise P.prompt_error(PromptTooLong(
-                f"prompt has {len(prompt)} tokens; this model takes at most {limit - 1} "
-                f"(max_model_len {limit}, minus one token to generate)"), "prompt")
+        try:
+            check_prompt_length(prompt, self.max_model_len, self.max_prompt_chars)
+        except PromptTooLong as e:
+            raise P.prompt_error(e, "prompt") from None
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         try:
