@@ -125,6 +125,15 @@ def make_drafter(
     return model
 
 
+def make_models(root: Path, seed: int = 2, drafter_seed: int = 12, block_size: int = 8, **target_overrides) -> Path:
+    """A tiny target with a tokenizer at ``root / "t"`` and a drafter for it
+    at ``root / "d"``; returns ``root``."""
+    hf = make_target(root / "t", seed=seed, **target_overrides)
+    add_tokenizer(root / "t", hf.config.vocab_size)
+    make_drafter(root / "d", hf.config, seed=drafter_seed, block_size=block_size)
+    return root
+
+
 def add_tokenizer(path: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer of exactly ``vocab_size`` ids, trained on a
     few sentences, with a chat template; ids 0/1 are <s>/</s>."""

@@ -7,7 +7,7 @@ admissions."""
 import pytest
 import torch
 
-from factories import add_tokenizer, make_drafter, make_target
+from factories import make_models
 from specray.config import EngineConfig
 from specray.llm import build_engine
 from specray.sampling import SamplingParams
@@ -17,11 +17,7 @@ MAX_MODEL_LEN = 96
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("async")
-    hf = make_target(root / "t", vocab_size=320, seed=4)
-    add_tokenizer(root / "t", 320)
-    make_drafter(root / "d", hf.config, seed=14, block_size=6)
-    return root
+    return make_models(tmp_path_factory.mktemp("async"), seed=4, drafter_seed=14, block_size=6, vocab_size=320)
 
 
 def engine(root, drafter: bool, async_: bool, **kw):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from factories import add_tokenizer, free_port, make_drafter, make_target
+from factories import free_port, make_models
 
 pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
@@ -48,11 +48,7 @@ def _env() -> dict:
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch_models")
-    hf = make_target(root / "t", seed=2)
-    add_tokenizer(root / "t", hf.config.vocab_size)
-    make_drafter(root / "d", hf.config, seed=12, block_size=8)
-    return root
+    return make_models(tmp_path_factory.mktemp("batch_models"))
 
 
 class Head:

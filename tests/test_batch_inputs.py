@@ -6,18 +6,14 @@ import json
 import shutil
 
 import pytest
-from factories import add_tokenizer, make_drafter, make_target
+from factories import make_models
 
 from specray import LLM, ConfigError, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("inputs")
-    hf = make_target(root / "t", seed=2)
-    add_tokenizer(root / "t", hf.config.vocab_size)
-    make_drafter(root / "d", hf.config, seed=12, block_size=8)
-    return root
+    return make_models(tmp_path_factory.mktemp("inputs"))
 
 
 def test_generate_chat_is_not_given_a_second_bos(models, tmp_path, capsys):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from factories import add_tokenizer, make_drafter, make_target
+from factories import make_models, make_target
 from specray import LLM, ConfigError, SamplingParams
 from specray.async_engine import AsyncEngine
 from specray.config import EngineConfig
@@ -23,11 +23,7 @@ MAX_TOKENS = [30, 24, 17, 33, 20]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR")
-    root = tmp_path_factory.mktemp("ray")
-    hf = make_target(root / "t", seed=2)
-    add_tokenizer(root / "t", hf.config.vocab_size)
-    make_drafter(root / "d", hf.config, seed=12, block_size=8)
-    yield root
+    yield make_models(tmp_path_factory.mktemp("ray"))
     ray.shutdown()
 
 
@@ -88,10 +84,8 @@ def test_three_way_tensor_parallel_group(cluster, tmp_path):
     """An odd group size (what the default SmolLM2, 9 heads, needs for TP > 1):
     every rank's shard, the plan broadcast and the all-reduces still give
     the in-process engine's tokens, with the drafter as its own actor."""
-    hf = make_target(tmp_path / "t", arch="llama", seed=2, num_attention_heads=6, num_key_value_heads=3,
-                     hidden_size=96, intermediate_size=192, head_dim=16, vocab_size=321)
-    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
-    make_drafter(tmp_path / "d", hf.config, seed=12, block_size=8)
+    make_models(tmp_path, arch="llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                intermediate_size=192, head_dim=16, vocab_size=321)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in LLM(tmp_path / "t", tmp_path / "d").generate(PROMPTS, params)]
     llm = LLM(tmp_path / "t", tmp_path / "d", backend="ray", tensor_parallel_size=3, drafter_placement="separate")
