@@ -60,29 +60,35 @@ class DecodeGraphs:
 
     def run(self, n: int, inputs: dict[str, torch.Tensor]) -> tuple:
         """Copy the inputs of ``n`` sequences in, pad, run; outputs cover the
-        padded size (callers read their first rows)."""
+        padded size (callers read their first rows). An input may hold
+        fewer than ``n * rows_per_seq`` rows: the rest are padded."""
         size = self.padded(n)
         for name, src in inputs.items():
             buf, r = self.buffers[name], self.rows[name]
             dst = buf[: n * r]
+            if src.shape[0] < dst.shape[0]:  # the last sequence's missing rows are padding
+                self._fill(name, buf[src.shape[0] : n * r])
+                dst = dst[: src.shape[0]]
             if dst.dim() == 2 and src.shape[1] < dst.shape[1]:
                 dst[:, : src.shape[1]].copy_(src, non_blocking=True)
                 dst[:, src.shape[1] :].zero_()
             else:
                 dst.copy_(src, non_blocking=True)
             if size > n:
-                pad = self.pad[name]
-                tail = buf[n * r : size * r]
-                if isinstance(pad, torch.Tensor):
-                    tail.copy_(pad[: tail.shape[0]])
-                else:
-                    tail.fill_(pad)
+                self._fill(name, buf[n * r : size * r])
         if not self.use_graphs:
             return self.fn(size)
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()
         return self.outputs[size]
+
+    def _fill(self, name: str, tail: torch.Tensor) -> None:
+        pad = self.pad[name]
+        if isinstance(pad, torch.Tensor):
+            tail.copy_(pad[: tail.shape[0]])
+        else:
+            tail.fill_(pad)
 
     def _capture(self, size: int) -> None:
         # Warm up on a side stream (Triton compiles, allocator settles), then

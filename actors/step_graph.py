@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from specray.actors.graphs import DecodeGraphs
-from specray.kernels.ops import accept_advance, argmax, block_inputs, ngram_lookup
+from specray.kernels.ops import accept_advance, argmax, block_inputs, lookup_drafts
 from specray.plan import AttentionMetadata
 from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens, verify
 
@@ -78,7 +78,6 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         bufs = {name: shared.setdefault(name, buf) for name, buf in bufs.items()}
     # Padding rows: block 0, positions from 0, their state reset every step.
     pad = dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {}) | ({"slot": max_seqs} if "slot" in bufs else {})
-    all_rows = torch.arange(max_seqs * B, device=dev)
     no_drafts = torch.zeros(max_seqs, 0, dtype=torch.int64, device=dev)
     no_lookups = torch.zeros(max_seqs, dtype=torch.bool, device=dev)
     query_start_loc = torch.arange(0, max_seqs * B + 1, B, dtype=torch.int64, device=dev)
@@ -105,25 +104,22 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         draft_idx = draft_q = history = history_rows = None
         if drafter is not None:
             hidden = drafter.model.propose_hidden(blk.block_ids, start, blk.block_len, d_tables,
-                                                  drafter.max_model_len, drafter.kv_cache)
+                                                  drafter.max_model_len, drafter.kv_cache, blk.positions)
             drafts, draft_idx, draft_q = sample_draft_tokens(drafter.model.logits(hidden[:, 1:]), st, draft_top_k)
-            looked_up = no_lookups[:n]
             if lookup:
                 history, history_rows = bufs["history"], bufs["slot"][:n]
-                found_drafts, looked_up = ngram_lookup(history.index_select(0, history_rows), blk.known_lens,
-                                                       lookup[0], lookup[1], G)
-                looked_up = looked_up & (blk.block_len > 1)
-                if sampling != "greedy":
-                    looked_up = looked_up & (st.temperature == 0)
-                drafts = torch.where(looked_up[:, None], found_drafts, drafts)
-            input_ids = torch.cat([last[:, None], drafts], 1)
+                greedy_rows = None if sampling == "greedy" else st.temperature == 0
+                input_ids, drafts, looked_up = lookup_drafts(history, history_rows, blk.known_lens, blk.block_len,
+                                                             greedy_rows, drafts, last, lookup[0], lookup[1])
+            else:
+                input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
         else:
             drafts, looked_up = no_drafts[:n], no_lookups[:n]
             input_ids = last[:, None]
         attn = AttentionMetadata(blk.positions.reshape(-1), blk.target_slots.reshape(-1), query_start_loc[: n + 1],
                                  blk.seq_lens, tables, B, target.max_model_len + 2 * B)
         logits, hidden_tapped = target.model.forward(input_ids.reshape(-1), attn, target.kv_cache,
-                                                     logits_indices=all_rows[: n * B], tap_layer_ids=taps)
+                                                     logits_indices=slice(None), tap_layer_ids=taps)
         if sampling == "greedy":  # the acceptance is the argmax's: the glue kernel does it
             target_argmax, num_accepted, bonus = argmax(logits.view(n, B, -1)), None, None
         else:

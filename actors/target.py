@@ -111,7 +111,6 @@ class TargetWorker:
             bufs["logits_index"] = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
             per_seq["logits_index"] = 1
         query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int64, device=dev)
-        all_rows = torch.arange(rows, device=dev)
         taps = self.tap_layer_ids if (want_hidden and self.is_driver) else ()
 
         def forward(n: int):
@@ -119,7 +118,7 @@ class TargetWorker:
                 bufs["positions"][: n * q_len], bufs["slot_mapping"][: n * q_len], query_start_loc[: n + 1],
                 bufs["seq_lens"][:n], bufs["block_tables"][:n], q_len, self.max_model_len + q_len,
             )
-            logits_rows = bufs["logits_index"][:n] if one_logits_row else all_rows[: n * q_len]
+            logits_rows = bufs["logits_index"][:n] if one_logits_row else slice(None)
             return self.model.forward(bufs["input_ids"][: n * q_len], attn, self.kv_cache,
                                       logits_indices=logits_rows if self.is_driver else None,
                                       tap_layer_ids=taps)

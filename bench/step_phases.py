@@ -71,17 +71,25 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
     req = core.requests[rid]
     acc = req.metrics.acceptance_lengths[-steps:]
     core.abort_request(rid)
-    engine_module.launch_decode = launch
-    # A request's fixed cost, warm: its prefill step and first decode step.
+    # The aborted request's last step may still be in flight: drain it, so
+    # that the steps timed next are the new request's own.
+    while core._inflight is not None:
+        core.step()
+    # A request's fixed cost, warm: its prefill step and first decode step
+    # (which launches two steps and waits for the first), each with its phases.
     rid = core.add_request(prompt, params)
-    first = []
-    for _ in range(2):
+    first, first_phases = [], []
+    for _ in range(3):
+        spent.clear()
         t = time.perf_counter()
         core.step()
         first.append(round(1000 * (time.perf_counter() - t), 3))
+        first_phases.append({k: round(1000 * v, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])})
     prompt_tokens = len(core.requests[rid].prompt_token_ids)
     core.abort_request(rid)
-    core.step()  # lets an asynchronous step still in flight drain
+    while core._inflight is not None:
+        core.step()
+    engine_module.launch_decode = launch
     per_step = {k: round(1000 * v / steps, 4) for k, v in sorted(timed_steps.items(), key=lambda kv: -kv[1])}
     timed_ms = sum(timed_steps.values()) * 1000 / steps
     return {
@@ -94,6 +102,8 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
         "prompt_tokens": prompt_tokens,
         "prefill_step_ms": first[0],
         "first_decode_step_ms": first[1],
+        "second_decode_step_ms": first[2],
+        "fixed_cost_phases_ms": dict(zip(("prefill", "first decode", "second decode"), first_phases)),
     }
 
 
@@ -121,9 +131,11 @@ def main(argv=None):
         print(f"== {name}: step {r['step_ms']:.3f} ms, {r['tokens_per_s']} tok/s, "
               f"acceptance {r['mean_acceptance_length']}, untimed {r['untimed_ms']:.3f} ms; "
               f"prefill of {r['prompt_tokens']} tokens {r['prefill_step_ms']:.3f} ms, "
-              f"first decode {r['first_decode_step_ms']:.3f} ms")
+              f"first decode {r['first_decode_step_ms']:.3f} ms, second {r['second_decode_step_ms']:.3f} ms")
         for k, v in r["phases_ms"].items():
             print(f"   {v:7.3f} ms  {k}")
+        for step, phases in r["fixed_cost_phases_ms"].items():
+            print(f"   {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

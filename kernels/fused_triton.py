@@ -35,8 +35,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, s_ptr, y_ptr, w_ptr, x_stride, r_stride, H, e
 
 @triton.jit
 def _norm_rope_half(src, w_ptr, c_ptr, s_ptr, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dt: tl.constexpr):
-    """One head ``[D]`` at ``src``: optional RMSNorm, then RoPE; the two
-    rotated halves in ``dt``."""
+    """One head ``[D]`` at ``src``: optional RMSNorm, then RoPE with the fp32
+    table rows at ``c_ptr`` / ``s_ptr`` (rounded to ``dt`` first, as the
+    reference's gathered cos/sin are); the two rotated halves in ``dt``."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)
     x1 = tl.load(src + d).to(tl.float32)
@@ -45,26 +46,34 @@ def _norm_rope_half(src, w_ptr, c_ptr, s_ptr, eps, HAS_NORM: tl.constexpr, D: tl
         inv = 1.0 / tl.sqrt_rn((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
         x1 = ((x1 * inv).to(dt).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)).to(dt).to(tl.float32)
         x2 = ((x2 * inv).to(dt).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)).to(dt).to(tl.float32)
-    c1 = tl.load(c_ptr + d).to(tl.float32)
-    c2 = tl.load(c_ptr + HALF + d).to(tl.float32)
-    s1 = tl.load(s_ptr + d).to(tl.float32)
-    s2 = tl.load(s_ptr + HALF + d).to(tl.float32)
+    c1 = tl.load(c_ptr + d).to(dt).to(tl.float32)
+    c2 = tl.load(c_ptr + HALF + d).to(dt).to(tl.float32)
+    s1 = tl.load(s_ptr + d).to(dt).to(tl.float32)
+    s2 = tl.load(s_ptr + HALF + d).to(dt).to(tl.float32)
     o1 = (x1 * c1 - x2 * s1).to(dt)
     o2 = (x2 * c2 + x1 * s2).to(dt)
     return o1, o2
 
 
 @triton.jit
-def _qkv_rope_kernel(q_ptr, kv_ptr, q_stride, kv_stride, cos_ptr, sin_ptr, cs_stride, qw_ptr, kw_ptr, eps,
-                     q_out, k_out, v_out, slot_ptr, NQ, NKV,
+def _qkv_rope_kernel(q_ptr, kv_ptr, q_stride, kv_stride, cos_ptr, sin_ptr, pos_ptr, cs_stride, qw_ptr, kw_ptr, eps,
+                     q_out, k_out, v_out, slot_ptr, NQ, NKV, kv_layer_stride, kw_layer_stride, cache_layer_stride,
                      HAS_NORM: tl.constexpr, STORE: tl.constexpr, D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
+    # Layers (grid axis 2) of a drafter's context store: each reads its
+    # columns of one GEMM's output, its k_norm row and its cache.
+    layer = tl.program_id(2).to(tl.int64)
+    kv_ptr += layer * kv_layer_stride
+    kw_ptr += layer * kw_layer_stride
+    k_out += layer * cache_layer_stride
+    v_out += layer * cache_layer_stride
     dt = k_out.dtype.element_ty
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)
-    c_ptr = cos_ptr + n * cs_stride
-    s_ptr = sin_ptr + n * cs_stride
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    c_ptr = cos_ptr + pos * cs_stride
+    s_ptr = sin_ptr + pos * cs_stride
     if STORE:
         row = tl.load(slot_ptr + n)  # the cache row (slot) of token n
     else:
@@ -122,12 +131,13 @@ def rms_norm(x, weight, eps, residual=None):
     return y, s
 
 
-def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm, k_norm, eps,
+def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, rope, q_norm, k_norm, eps,
              k_cache=None, v_cache=None, slot_mapping=None):
     N, D, nq, nkv = kv_src.shape[0], head_dim, num_q_heads, num_kv_heads
     dev, dt = kv_src.device, kv_src.dtype
-    cos, sin = (t.reshape(N, D) for t in cos_sin)
-    assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and kv_src.stride(-1) == 1
+    cos, sin, positions = rope.cos_table, rope.sin_table, rope.positions.contiguous()
+    assert cos.shape[-1] == D and cos.stride(-1) == 1 and sin.stride() == cos.stride() and kv_src.stride(-1) == 1
+    assert positions.shape == (N,) and rope.dtype == dt
     assert not nq or (q_norm is None) == (k_norm is None), "q and k are normed together or not at all"
     q = torch.empty(N, nq, D, dtype=dt, device=dev) if nq else None
     store = k_cache is not None
@@ -140,13 +150,29 @@ def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm
     if N:
         q_in = q_src if nq else kv_src
         has_norm = k_norm is not None
-        _qkv_rope_kernel[(N, heads)](
-            q_in, kv_src, q_in.stride(0), kv_src.stride(0), cos, sin, cos.stride(0),
+        _qkv_rope_kernel[(N, heads, 1)](
+            q_in, kv_src, q_in.stride(0), kv_src.stride(0), cos, sin, positions, cos.stride(0),
             q_norm if (has_norm and nq) else k_out, k_norm if has_norm else k_out, eps,
-            q if nq else k_out, k_out, v_out, slot_mapping if store else kv_src, nq, nkv,
+            q if nq else k_out, k_out, v_out, slot_mapping if store else kv_src, nq, nkv, 0, 0, 0,
             HAS_NORM=has_norm, STORE=store, D=D, num_warps=1,
         )
     return q, (None if store else k_out)
+
+
+def context_kv(kv_all, num_kv_heads, head_dim, rope, k_norms, eps, kv_cache, slot_mapping):
+    L, N, D, nkv = kv_cache.shape[0], kv_all.shape[0], head_dim, num_kv_heads
+    assert kv_cache.is_contiguous() and kv_all.stride(-1) == 1 and kv_all.shape[1] == L * 2 * nkv * D
+    assert k_norms is None or (k_norms.shape == (L, D) and k_norms.is_contiguous())
+    cos, sin, positions = rope.cos_table, rope.sin_table, rope.positions.contiguous()
+    assert cos.shape[-1] == D and rope.dtype == kv_all.dtype and positions.shape == (N,)
+    if N:
+        k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
+        _qkv_rope_kernel[(N, 2 * nkv, L)](
+            kv_all, kv_all, kv_all.stride(0), kv_all.stride(0), cos, sin, positions, cos.stride(0),
+            k_cache, k_cache if k_norms is None else k_norms, eps, k_cache, k_cache, v_cache, slot_mapping,
+            0, nkv, 2 * nkv * D, 0 if k_norms is None else D, kv_cache.stride(0),
+            HAS_NORM=k_norms is not None, STORE=True, D=D, num_warps=1,
+        )
 
 
 def silu_mul(gate_up):

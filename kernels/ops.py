@@ -11,7 +11,7 @@ from specray.kernels.attention import (
     paged_attention_ref,
     store_kv,
 )
-from specray.kernels.lookup import ngram_lookup_ref
+from specray.kernels.lookup import lookup_drafts_ref
 from specray.kernels.step_glue import accept_advance_ref, block_inputs_ref
 
 try:  # triton is optional: CPU installs run the references
@@ -52,12 +52,18 @@ def rms_norm(x, weight, eps, residual=None):
     return fn(x, weight, eps, residual)
 
 
-def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm, k_norm, eps,
+def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, rope, q_norm, k_norm, eps,
              k_cache=None, v_cache=None, slot_mapping=None):
     pow2 = head_dim >= 2 and head_dim & (head_dim - 1) == 0
     fn = _fused.qkv_rope if _fused_ok(kv_src) and pow2 else fused.qkv_rope
-    return fn(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, cos_sin, q_norm, k_norm, eps,
+    return fn(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, rope, q_norm, k_norm, eps,
               k_cache, v_cache, slot_mapping)
+
+
+def context_kv(kv_all, num_kv_heads, head_dim, rope, k_norms, eps, kv_cache, slot_mapping):
+    pow2 = head_dim >= 2 and head_dim & (head_dim - 1) == 0
+    fn = _fused.context_kv if _fused_ok(kv_all) and pow2 else fused.context_kv
+    return fn(kv_all, num_kv_heads, head_dim, rope, k_norms, eps, kv_cache, slot_mapping)
 
 
 def silu_mul(gate_up):
@@ -70,9 +76,9 @@ def argmax(x):
     return _argmax.argmax(x) if _argmax is not None and x.is_cuda and x.shape[-1] > 0 else x.argmax(-1)
 
 
-def ngram_lookup(history, lengths, min_n, max_n, k):
-    fn = _lookup.ngram_lookup if _lookup is not None and history.is_cuda else ngram_lookup_ref
-    return fn(history, lengths, min_n, max_n, k)
+def lookup_drafts(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n):
+    fn = _lookup.lookup_drafts if _lookup is not None and history.is_cuda else lookup_drafts_ref
+    return fn(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n)
 
 
 def block_inputs(start, last, budget, target_tables, draft_tables, block_size, kv_block_size, mask_token_id):
@@ -87,5 +93,5 @@ def accept_advance(argmax, num_accepted, bonus, drafts, block_len, looked_up, dr
               history, history_rows)
 
 
-__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "silu_mul", "argmax", "ngram_lookup",
+__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "context_kv", "silu_mul", "argmax", "lookup_drafts",
            "block_inputs", "accept_advance"]

@@ -16,13 +16,16 @@ TOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    "layer_types,window",
+    "layer_types,window,graph_seqs",
     [
-        (None, None),
-        (["sliding_attention", "full_attention"], 5),
+        (None, None, None),
+        (["sliding_attention", "full_attention"], 5, None),
+        # The context stored through the decode graphs' static buffers, in
+        # pieces of one block (8 rows), the last of each store padded.
+        (None, None, 1),
     ],
 )
-def test_block_logits_match_reference(tmp_path, layer_types, window):
+def test_block_logits_match_reference(tmp_path, layer_types, window, graph_seqs):
     hf = make_target(tmp_path / "t")
     ref = make_drafter(tmp_path / "d", hf.config, block_size=8, layer_types=layer_types, sliding_window=window)
     tspec, dspec = TargetSpec.from_dir(tmp_path / "t"), DrafterSpec.from_dir(tmp_path / "d")
@@ -30,6 +33,8 @@ def test_block_logits_match_reference(tmp_path, layer_types, window):
         assert dspec.layer_window == (5, None) and dspec.layer_causal == (True, False)
     worker = DrafterWorker(dspec, tspec, max_model_len=128)
     worker.init_cache(num_blocks=40, block_size=4)
+    if graph_seqs:
+        worker.enable_decode_graphs(graph_seqs, 4, dspec.block_size)
     pool = BlockAllocator(40, 4)
     B, H = dspec.block_size, dspec.hidden_size
     k = len(dspec.target_layer_ids)

@@ -60,13 +60,16 @@ def assert_same_bits(out: torch.Tensor, ref: torch.Tensor, exact: bool, per_head
     assert same == 1.0 if exact else same >= 0.99, f"{same:.4f} identical"
 
 
-def _rope(N, D, dtype, device, seed):
+def _rotary(D, device):
     from specray.actors.models.layers import Rotary
     from specray.config import RopeSpec
 
+    return Rotary(RopeSpec(theta=10000.0), D, 4096, device)
+
+
+def _rope(N, D, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
-    rot = Rotary(RopeSpec(theta=10000.0), D, 4096, device)
-    return rot.lookup(torch.randint(0, 4096, (N,), generator=g).to(device), dtype)
+    return _rotary(D, device).lookup(torch.randint(0, 4096, (N,), generator=g).to(device), dtype)
 
 
 def _check_rms_norm(device, dtype, N, H, residual):
@@ -123,6 +126,29 @@ def _check_qkv_rope(device, dtype, N, nq, nkv, D, norm, store):
         assert q is None
 
 
+def _check_context_kv(device, dtype, N, L, nkv, D, norm):
+    """All layers' cache writes in one call against ``qkv_rope`` per layer;
+    a layer's slice of the output, norm or cache taken from another layer
+    fails it."""
+    fused, ft = _modules()
+    g = torch.Generator().manual_seed(N * 13 + L * 7 + D + norm)
+    kv_all = (2 * torch.randn(N, L * 2 * nkv * D + 8, generator=g)).to(device, dtype)[:, :-8]  # strided rows
+    rope = _rope(N, D, dtype, device, N + 1)
+    k_norms = (1 + 0.2 * torch.randn(L, D, generator=g)).to(device, dtype) if norm else None
+    blocks, bs = -(-N // 16) + 3, 16
+    cache = torch.randn(L, 2, blocks, bs, nkv, D, generator=g).to(device, dtype)
+    got, want, before = cache, cache.clone(), cache.clone()
+    slots = (torch.randperm((blocks - 1) * bs, generator=g)[:N] + bs).to(device)
+    ft.context_kv(kv_all, nkv, D, rope, k_norms, 1e-6, got, slots)
+    width = 2 * nkv * D
+    for li in range(L):  # the definition: qkv_rope's cache write, layer by layer
+        fused.qkv_rope(None, kv_all[:, li * width:(li + 1) * width], 0, nkv, D, rope, None,
+                       None if k_norms is None else k_norms[li], 1e-6, want[li, 0], want[li, 1], slots)
+    assert_same_bits(got[:, 0], want[:, 0], exact=False, per_head=True)
+    assert torch.equal(got[:, 1], want[:, 1])
+    assert not torch.equal(got, before)  # it wrote
+
+
 RMS_CASES = [(1, 576), (37, 576), (5, 4096), (3, 100), (16, 64)]
 SILU_CASES = [(1, 1536), (16, 1536), (7, 100), (3, 3000)]
 QKV_CASES = [(1, 9, 3, 64), (16, 9, 3, 64), (40, 32, 8, 128), (5, 0, 2, 128), (3, 4, 4, 32)]
@@ -153,6 +179,14 @@ def test_qkv_rope_gpu(dtype, N, nq, nkv, D, norm, store):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,L,nkv,D", [(1, 4, 3, 64), (16, 4, 3, 64), (40, 2, 8, 128)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_context_kv_gpu(dtype, N, L, nkv, D, norm):
+    _check_context_kv(_cuda(), dtype, N, L, nkv, D, norm)
+
+
+@gpu
 def test_fused_ops_capture_in_cuda_graph_gpu():
     """Replayed with new contents (slots, positions, values, weights), a
     captured call writes what an eager one does."""
@@ -164,8 +198,8 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
     qkv = torch.zeros(N, (nq + 2 * nkv) * D, device=dev, dtype=dt)
     h = torch.zeros(N, 576, device=dev, dtype=dt)
     res = torch.zeros(N, 576, device=dev, dtype=dt)
-    cos = torch.zeros(N, 1, D, device=dev, dtype=dt)
-    sin = torch.zeros_like(cos)
+    rot = _rotary(D, dev)
+    positions = torch.zeros(N, dtype=torch.int64, device=dev)
     slots = torch.zeros(N, dtype=torch.int64, device=dev)
     w, qn, kn = (torch.ones(n, device=dev, dtype=dt) for n in (576, D, D))
     k_cache = torch.zeros(8, 16, nkv, D, device=dev, dtype=dt)
@@ -173,8 +207,8 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
 
     def step():
         y, s = ops.rms_norm(h, w, 1e-6, res)
-        q, _ = ops.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, (cos, sin), qn, kn, 1e-6,
-                            k_cache, v_cache, slots)
+        q, _ = ops.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, rot.lookup(positions, dt), qn, kn,
+                            1e-6, k_cache, v_cache, slots)
         return y, s, q, ops.silu_mul(res)
 
     step()  # compile outside the capture
@@ -186,14 +220,12 @@ def test_fused_ops_capture_in_cuda_graph_gpu():
         buf.copy_(torch.randn(buf.shape, generator=g).to(dev, dt))
     for buf in (w, qn, kn):
         buf.copy_((1 + 0.2 * torch.randn(buf.shape, generator=g)).to(dev, dt))
-    cos_sin = _rope(N, D, dt, dev, 3)
-    cos.copy_(cos_sin[0])
-    sin.copy_(cos_sin[1])
+    positions.copy_(torch.tensor([5, 4000, 17, 1234]))
     slots.copy_(torch.tensor([17, 40, 3 * 16 + 5, 127]))
     graph.replay()
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    q_ref, _ = fused.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, (cos, sin), qn, kn, 1e-6,
-                              k_ref, v_ref, slots)
+    q_ref, _ = fused.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, rot.lookup(positions, dt), qn, kn,
+                              1e-6, k_ref, v_ref, slots)
     y_ref, s_ref = fused.rms_norm(h, w, 1e-6, res)
     y, s, q, m = outs
     torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # the residual add: exact
@@ -257,3 +289,10 @@ def test_silu_mul_interp(dtype):
 @pytest.mark.parametrize("store", [False, True])
 def test_qkv_rope_interp(dtype, N, nq, nkv, D, norm, store):
     _check_qkv_rope("cpu", dtype, N, nq, nkv, D, norm, store)
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_context_kv_interp(dtype, norm):
+    _check_context_kv("cpu", dtype, 3, 3, 2, 32, norm)

@@ -64,19 +64,54 @@ def test_device_lookup_reference_is_the_index_rule():
         assert 0 < int(found.sum()) < len(tokens)
 
 
+def _lookup_case(rng, lo, hi, width, vocab, device):
+    """A batch of 33 rows over a 40-row history (rows picked out of order),
+    random block lengths (some 1: no lookup) and greedy rows."""
+    _, history, lengths = _random_histories(rng, 40, width, vocab)
+    rows = torch.randperm(40, generator=torch.Generator().manual_seed(rng.randrange(1000)))[:33]
+    G = 15
+    args = (history.to(device), rows.to(device), lengths[rows].to(device),
+            torch.tensor([rng.choice([1, 2, 16, 16]) for _ in range(33)], device=device),
+            torch.tensor([rng.random() < 0.7 for _ in range(33)], device=device),
+            torch.randint(0, vocab, (33, G + 4), generator=torch.Generator().manual_seed(7))[:, :G].to(device),
+            torch.randint(0, vocab, (33,), generator=torch.Generator().manual_seed(8)).to(device))
+    return args, (lo, hi)
+
+
+def test_lookup_drafts_reference_merges_by_the_rules():
+    """A row takes its lookup draft only when found, verifying drafts and
+    greedy; the block's first id is its last token."""
+    from specray.kernels.lookup import lookup_drafts_ref, ngram_lookup_ref
+
+    rng = random.Random(3)
+    (history, rows, lengths, block_len, greedy, drafts, last), (lo, hi) = _lookup_case(rng, 2, 4, 70, 4, "cpu")
+    ids, merged, looked_up = lookup_drafts_ref(history, rows, lengths, block_len, greedy, drafts, last, lo, hi)
+    found_drafts, found = ngram_lookup_ref(history[rows], lengths, lo, hi, drafts.shape[1])
+    for s in range(len(rows)):
+        take = bool(found[s]) and int(block_len[s]) > 1 and bool(greedy[s])
+        assert bool(looked_up[s]) == take
+        assert merged[s].tolist() == (found_drafts[s] if take else drafts[s]).tolist()
+        assert ids[s].tolist() == [int(last[s])] + merged[s].tolist()
+    assert 0 < int(looked_up.sum()) < int(found.sum())  # some found rows are refused
+    _, _, all_rows = lookup_drafts_ref(history, rows, lengths, block_len, None, drafts, last, lo, hi)
+    assert torch.equal(all_rows, found & (block_len > 1))
+
+
 @pytest.mark.gpu
 def test_device_lookup_kernel_matches_reference():
     pytest.importorskip("triton")
-    from specray.kernels.lookup import ngram_lookup_ref
-    from specray.kernels.lookup_triton import ngram_lookup
+    from specray.kernels.lookup import lookup_drafts_ref
+    from specray.kernels.lookup_triton import lookup_drafts
 
     rng = random.Random(2)
     for lo, hi, width, vocab in [(1, 3, 70, 5), (2, 4, 1500, 3), (2, 4, 3000, 40), (3, 6, 600, 4)]:
-        _, history, lengths = _random_histories(rng, 33, width, vocab)
-        history, lengths = history.cuda(), lengths.cuda()
-        want = ngram_lookup_ref(history, lengths, lo, hi, 15)
-        got = ngram_lookup(history, lengths, lo, hi, 15)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (lo, hi, width)
+        args, _ = _lookup_case(rng, lo, hi, width, vocab, "cuda")
+        for greedy in (args[4], None):
+            a = args[:4] + (greedy,) + args[5:]
+            want = lookup_drafts_ref(*a, lo, hi)
+            got = lookup_drafts(*a, lo, hi)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (lo, hi, width)
+            assert int(want[2].sum()) > 0
 
 
 def test_index_examples():

@@ -59,6 +59,7 @@ class DFlashDrafter:
         # SmolLM2's shape, against a GEMM launch a layer a step).
         self.ctx_kv: torch.Tensor | None = None
         self.ctx_kv_bias: torch.Tensor | None = None
+        self.k_norms: torch.Tensor | None = None
         self.hidden_norm: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
         self.embed: torch.Tensor | None = None  # the target's
@@ -105,6 +106,7 @@ class DFlashDrafter:
                 )
             )
         self.ctx_kv = torch.cat([layer.qkv[Hq * D:] for layer in self.layers])
+        self.k_norms = torch.stack([layer.k_norm for layer in self.layers])  # [L, D]
         if spec.attention_bias:
             self.ctx_kv_bias = torch.cat([layer.qkv_bias[Hq * D:] for layer in self.layers])
         self.embed = embed.to(device=self.device, dtype=self.dtype)
@@ -122,12 +124,9 @@ class DFlashDrafter:
         spec = self.spec
         eps = spec.rms_norm_eps
         ctx, _ = ops.rms_norm(F.linear(hidden_tapped.to(self.dtype), self.fc), self.hidden_norm, eps)
-        rope = self.rotary.lookup(positions, ctx.dtype)
         kv_all = F.linear(ctx, self.ctx_kv, self.ctx_kv_bias)  # [n, L * 2 * Hkv * D]
-        width = 2 * spec.num_kv_heads * self.head_dim
-        for li, layer in enumerate(self.layers):
-            ops.qkv_rope(None, kv_all[:, li * width:(li + 1) * width], 0, spec.num_kv_heads, self.head_dim, rope,
-                         None, layer.k_norm, eps, kv_cache[li, 0], kv_cache[li, 1], slot_mapping)
+        ops.context_kv(kv_all, spec.num_kv_heads, self.head_dim, self.rotary.lookup(positions, ctx.dtype),
+                       self.k_norms, eps, kv_cache, slot_mapping)
 
     def propose_hidden(
         self,
@@ -137,21 +136,24 @@ class DFlashDrafter:
         block_tables: torch.Tensor,
         max_ctx_len: int,
         kv_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[S, B, H]`` of the blocks
         ``block_ids`` ``[S, B]``; block ``s`` starts at position
-        ``ctx_lens[s]`` and has ``block_lens[s]`` real rows."""
+        ``ctx_lens[s]`` and has ``block_lens[s]`` real rows. ``positions``
+        ``[S, B]`` (``ctx_lens[s] + 0 .. B-1``) where the caller has them."""
         spec = self.spec
         eps = spec.rms_norm_eps
         S, B = block_ids.shape
         nq, nkv, D = spec.num_heads, spec.num_kv_heads, self.head_dim
-        positions = ctx_lens[:, None] + torch.arange(B, device=block_ids.device)[None]
+        if positions is None:
+            positions = ctx_lens[:, None] + torch.arange(B, device=block_ids.device)[None]
         # Indexing, not F.embedding: its index_select kernel walks the ids
         # one after another (6.9 us for a block of 16 on the H200).
         h = self.embed[block_ids.reshape(-1)]
         if spec.input_embedding_scale != 1.0:
             h = h * spec.input_embedding_scale
-        rope = self.rotary.lookup(positions.view(-1), h.dtype)
+        rope = self.rotary.lookup(positions.reshape(-1), h.dtype)
         # As in the target: each norm adds the sublayer output ``h`` to the
         # stream ``residual`` first.
         residual = None

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from specray.config import RopeSpec
+from specray.kernels.fused import RopeRows
 from specray.plan import AttentionMetadata  # noqa: F401  (re-exported for models)
 
 
@@ -44,10 +45,9 @@ class Rotary:
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions``, shaped to broadcast over heads; looked
-        up once per forward and shared by every layer."""
-        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeRows:
+        """The angles of ``positions`` ``[N]``, for every layer of a forward."""
+        return RopeRows(self.cos, self.sin, positions, dtype)
 
 
 @dataclass

@@ -139,14 +139,15 @@ class TargetModel:
         input_ids: torch.Tensor,
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
-        logits_indices: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | slice | None = None,
         tap_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run ``input_ids`` ``[num_tokens]`` through the model, writing their
         K/V into ``kv_cache`` ``[L, 2, blocks, block_size, kv_heads, D]``.
 
-        Returns ``logits`` ``[len(logits_indices), vocab]`` (model dtype:
-        sampling casts, an argmax needs no cast) and
+        Returns ``logits`` ``[len(logits_indices), vocab]`` (every row's
+        for ``slice(None)``, which gathers nothing; model dtype: sampling
+        casts, an argmax needs no cast) and
         ``hidden_tapped`` ``[num_tokens, len(tap_layer_ids) * H]``: the output
         of each listed decoder layer, concatenated in the order listed (the
         last layer's output is taken after the final norm, as HF's
