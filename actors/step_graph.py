@@ -33,7 +33,7 @@ from specray.sampling import SamplingTensors, position_uniforms, sample_draft_to
 
 def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
                       mask_token_id: int | None, lookup: tuple[int, int] | None = None,
-                      sampling: str = "greedy", draft_top_k: int = 64,
+                      lookup_agree: bool = False, sampling: str = "greedy", draft_top_k: int = 64,
                       shared: dict[str, torch.Tensor] | None = None) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (a TargetWorker,
     TP 1) and ``drafter`` (a DrafterWorker or None). Inputs: ``start`` and
@@ -44,7 +44,8 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     (min_n, max_n; needs the drafter) ``slot`` (a first step only: each
     row's row of the ``history`` buffer ``[max_seqs + 1, W]``, which the
     caller keeps filled with the rows' tokens; the last row takes the
-    padding rows' writes). ``sampling``: "greedy" (every row),
+    padding rows' writes; ``lookup_agree``: a lookup is taken only where it
+    opens with the drafter's first draft). ``sampling``: "greedy" (every row),
     "sampled" (some rows sample; none filters by top-k / top-p) or
     "filtered"; the last two take ``temperature``, ``top_p``, ``top_k``
     ``[S]`` and ``keys`` ``[S, 3]`` (``sampling.seed_keys``) on a first
@@ -110,7 +111,8 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
                 history, history_rows = bufs["history"], bufs["slot"][:n]
                 greedy_rows = None if sampling == "greedy" else st.temperature == 0
                 input_ids, drafts, looked_up = lookup_drafts(history, history_rows, blk.known_lens, blk.block_len,
-                                                             greedy_rows, drafts, last, lookup[0], lookup[1])
+                                                             greedy_rows, drafts, last, lookup[0], lookup[1],
+                                                             lookup_agree)
             else:
                 input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
         else:

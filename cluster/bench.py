@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from specray.cli import add_model_args
+from specray.cli import add_model_args, lookup_args
 from specray.detokenizer import chat_prompt_ids
 
 
@@ -117,32 +117,35 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_model_len or min(4096, TargetSpec.from_dir(target).max_position_embeddings)
     mem = dict(max_model_len=max_len, gpu_memory_utilization=0.4, cuda_graphs=graphs,
                async_scheduling=args.async_scheduling, max_num_seqs=max(8, args.batch_size))
-    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, prompt_lookup_min=args.prompt_lookup_min,
-               num_speculative_tokens=args.num_speculative_tokens, **mem)
+    spec = LLM(target, drafter, device=args.device, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
+               **lookup_args(args), **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
     prompts = [text for _, text in rows]
     block = spec.engine.block_size
-    # Warm both engines outside the timed runs: every prompt's prefill
-    # alone (a lone chunk replays a graph per padded length, captured and
-    # compiled on first use), and a batch long enough for asynchronous
-    # steps at every temperature (the sampling path and the step graph
-    # compile kernels of their own on first use), whose rows finish one by
-    # one so that every padded batch size is captured.
-    group = prompts[: args.batch_size]
+    def workload(temp):
+        return [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i, top_p=args.top_p)
+                for i in range(len(prompts))]
+
+    # Warm both engines outside the timed runs. On a GPU, with the timed
+    # runs themselves: every shape they meet (prefill batches, padded batch
+    # sizes, each sampling kind's step graphs) is captured and compiled
+    # before timing (a warm-up of other shapes left a first-use kernel
+    # compile, ~0.75 s on the H200, inside a timed batch-8 run). The CPU
+    # runs eagerly: one short request each.
     for eng in (spec, ar):
-        for prompt in prompts:
-            eng.generate([prompt], SamplingParams(max_tokens=1))
-        for temp in sorted(set(args.temperatures) | {0.0}):
-            eng.generate(group, [SamplingParams(max_tokens=4 * block + 8 * i, temperature=temp, seed=args.seed,
-                                                top_p=args.top_p, ignore_eos=True) for i in range(len(group))])
+        for temp in args.temperatures:
+            if str(spec.config.device).startswith("cuda"):
+                run_engine(eng, prompts, workload(temp), args.batch_size)
+            else:
+                eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=temp, seed=args.seed))
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
                "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
+               "prompt_lookup_agree": spec.config.prompt_lookup_agree,
                "num_speculative_tokens": block - 1,
                "max_tokens": args.max_tokens, "block_size": block, "top_p": args.top_p, "by_temperature": {}}
     for temp in args.temperatures:
-        params = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=args.seed + i, top_p=args.top_p)
-                  for i in range(len(prompts))]
+        params = workload(temp)
         spec_outs, spec_s = run_engine(spec, prompts, params, args.batch_size)
         ar_outs, ar_s = run_engine(ar, prompts, params, args.batch_size)
         s = summarize(spec_outs, ar_outs, spec_s, ar_s, block)

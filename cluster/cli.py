@@ -24,6 +24,18 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
         p.add_argument("--prompt-lookup-min", type=int, default=2,
                        help="draft from the request's own earlier text when its last N+ tokens occurred before "
                             "(shortest match; 0: drafter only)")
+        p.add_argument("--prompt-lookup-agree", action=argparse.BooleanOptionalAction, default=None,
+                       help="take a greedy request's lookup draft only where it opens with the drafter's first "
+                            "draft token (the drafter then runs every step)")
+
+
+def lookup_args(args) -> dict:
+    """The engine settings of the prompt-lookup flags (a flag left out keeps
+    the engine's default)."""
+    kw = {"prompt_lookup_min": args.prompt_lookup_min}
+    if getattr(args, "prompt_lookup_agree", None) is not None:
+        kw["prompt_lookup_agree"] = args.prompt_lookup_agree
+    return kw
 
 
 def resolve_models(args) -> tuple[str, str | None]:
@@ -59,7 +71,7 @@ def cmd_generate(args) -> int:
     target, drafter = resolve_models(args)
     t = time.perf_counter()
     llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              prompt_lookup_min=args.prompt_lookup_min, num_speculative_tokens=args.num_speculative_tokens)
+              num_speculative_tokens=args.num_speculative_tokens, **lookup_args(args))
     load_s = time.perf_counter() - t
     prompt = args.prompt
     if args.chat and llm.tokenizer is not None:

@@ -242,10 +242,12 @@ class EngineCore:
         # drafter behind a channel packs the host tensors.
         st_dev = st_cpu.to(self.device)
 
-        drafts = None
+        drafts = lookup = None
         if self.drafter is not None and decode:
             lookup = self._lookup_drafts(decode)
-            if not all(lookup):  # a step where every request has a lookup draft skips the drafter
+            # A step where every request has a lookup draft skips the
+            # drafter, unless lookups need its agreement.
+            if self.config.prompt_lookup_agree or not all(lookup):
                 draft_batch = self._draft_batch(decode, st_cpu if getattr(self.drafter, "packs_host_batch", False)
                                                 else st_dev)
                 self._sync()
@@ -254,7 +256,8 @@ class EngineCore:
                 self._sync()
                 stats.propose = time.perf_counter() - t
             if any(lookup):
-                drafts = merge_lookup_drafts(drafts, lookup, self.block_size - 1, st_cpu, self.device)
+                drafts = merge_lookup_drafts(drafts, lookup, self.block_size - 1, st_cpu, self.device,
+                                             self.config.prompt_lookup_agree)
 
         batch, draft_dst, draft_src, logit_rows = self._target_batch(decode, plan.prefill)
         if drafts is not None:
@@ -273,6 +276,8 @@ class EngineCore:
         stats.verify = time.perf_counter() - t
 
         results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch.uniform_rows)
+        if lookup is not None:
+            self._count_lookups(decode, lookup, results[2])
         outputs = self._apply(decode, plan.prefill, results, batch)
         stats.total = time.perf_counter() - t0
         self.last_step = stats
@@ -304,7 +309,7 @@ class EngineCore:
                 target, self.drafter, self.block_size, self.config.max_num_seqs, self.config.kv_block_size,
                 self.drafter_spec.mask_token_id if self.drafter_spec else None,
                 lookup=(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-                if self.config.prompt_lookup_min else None,
+                if self.config.prompt_lookup_min else None, lookup_agree=self.config.prompt_lookup_agree,
                 sampling=sampling, draft_top_k=self.config.draft_top_k, shared=self._step_buffers,
             )
         return self._step_graphs[sampling]
@@ -383,10 +388,17 @@ class EngineCore:
                 continue
             if r.lookup_index is None:
                 r.lookup_index = NgramIndex(lo, hi)
-            draft = r.lookup_index.propose(r.prompt_token_ids, r.output_token_ids, self.block_size - 1)
-            r.metrics.num_lookup_steps += bool(draft)
-            out.append(draft)
+            out.append(r.lookup_index.propose(r.prompt_token_ids, r.output_token_ids, self.block_size - 1))
         return out
+
+    def _count_lookups(self, decode: list[DecodeItem], lookup: list[list[int]], drafted: list[list[int]]) -> None:
+        """Count the steps whose drafts were a lookup's. One that had to
+        agree with the drafter was taken iff the step's first draft is the
+        lookup's first token (the drafter's differed otherwise)."""
+        agree = self.config.prompt_lookup_agree
+        for d, found, tokens in zip(decode, lookup, drafted):
+            taken = not agree or not d.request.params.greedy or tokens[:1] == found[:1]
+            d.request.metrics.num_lookup_steps += bool(found) and taken
 
     def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors) -> DraftBatch:
         B = self.block_size

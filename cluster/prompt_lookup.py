@@ -8,7 +8,9 @@ more often than a small drafter predicts it. Any draft is verified as
 usual, so the output is unchanged (greedy: token-identical; sampled: the
 draft distribution of such a row is one-hot, which rejection sampling
 handles exactly). A step whose every request has a lookup draft skips the
-drafter's forward.
+drafter's forward, unless lookups must agree with the drafter
+(``prompt_lookup_agree``): then a greedy row takes its lookup only where
+the drafter's first draft is the lookup's first token.
 
 The index is kept per request and only extended: each new token registers
 the n-grams ending just before it, so a lookup is a dictionary get.
@@ -60,12 +62,16 @@ def merge_lookup_drafts(
     num_drafts: int,
     st: SamplingTensors,
     device: torch.device,
+    agree: bool = False,
 ) -> DraftOutput:
     """The step's drafts ``[S, num_drafts]`` on ``device``: row ``s`` takes
     ``lookup[s]`` where it is non-empty (padded with its last token), the
     drafter's row otherwise (``drafts`` may be None only when every row
-    has a lookup). For sampled batches the lookup rows' sparse draft
-    distribution is one-hot on the drafted token."""
+    has a lookup). With ``agree``, a greedy row takes its lookup only where
+    it opens with the drafter's first draft (a sampled row's drafter token
+    is a draw from q, which a one-hot lookup q would misstate). For
+    sampled batches the lookup rows' sparse draft distribution is one-hot
+    on the drafted token."""
     S, G = len(lookup), num_drafts
     rows = torch.tensor([(t + [t[-1]] * G)[:G] if t else [0] * G for t in lookup], dtype=torch.int64).view(S, G)
     has = [bool(t) for t in lookup]
@@ -77,6 +83,11 @@ def merge_lookup_drafts(
         return DraftOutput(tokens, tokens[:, :, None], torch.ones(S, G, 1, device=device))
     use = host_to_device(torch.tensor(has), device)[:, None]
     d_tokens = drafts.tokens[:, :G].to(device)
+    if agree and G:
+        agrees = tokens[:, :1] == d_tokens[:, :1]
+        if not st.all_greedy:  # sampled rows keep the plain rule
+            agrees = agrees | host_to_device(st.temperature != 0, device)[:, None]
+        use = use & agrees
     merged = torch.where(use, tokens, d_tokens)
     if drafts.draft_idx is None:
         return DraftOutput(merged, None, None)

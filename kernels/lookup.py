@@ -44,15 +44,18 @@ def ngram_lookup_ref(history: torch.Tensor, lengths: torch.Tensor, min_n: int, m
 
 def lookup_drafts_ref(history: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, block_len: torch.Tensor,
                       greedy: torch.Tensor | None, drafts: torch.Tensor, last: torch.Tensor, min_n: int,
-                      max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      max_n: int, agree: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batch row ``s`` reads ``history[rows[s]]`` (``lengths[s]`` tokens).
     A row takes its lookup draft over its drafter's ``drafts`` ``[S, G]``
-    when it has one, its block verifies a draft (``block_len > 1``) and
-    (``greedy`` ``[S]`` bool, None for all) it is greedy. Returns the
+    when it has one, its block verifies a draft (``block_len > 1``),
+    (``greedy`` ``[S]`` bool, None for all) it is greedy and (with
+    ``agree``) the two drafts open with the same token. Returns the
     block's input ids ``[S, G + 1]`` (``last``, then the drafts), the
     drafts ``[S, G]`` and which rows were looked up ``[S]``."""
     found_drafts, found = ngram_lookup_ref(history.index_select(0, rows), lengths, min_n, max_n, drafts.shape[1])
     looked_up = found & (block_len > 1)
+    if agree:
+        looked_up = looked_up & (found_drafts[:, 0] == drafts[:, 0])
     if greedy is not None:
         looked_up = looked_up & greedy
     merged = torch.where(looked_up[:, None], found_drafts, drafts)

@@ -34,7 +34,7 @@ def _suffix_match(row, L, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.co
 def _lookup_drafts_kernel(hist_ptr, hist_stride, rows_ptr, len_ptr, block_len_ptr, greedy_ptr, drafts_ptr,
                           drafts_stride, last_ptr, ids_ptr, merged_ptr, looked_ptr,
                           G: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, HAS_GREEDY: tl.constexpr,
-                          BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
+                          AGREE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     row = hist_ptr + tl.load(rows_ptr + s).to(tl.int64) * hist_stride
     L = tl.load(len_ptr + s).to(tl.int64)
@@ -44,8 +44,11 @@ def _lookup_drafts_kernel(hist_ptr, hist_stride, rows_ptr, len_ptr, block_len_pt
         hit = hit & (tl.load(greedy_ptr + s) != 0)
     j = tl.arange(0, BLOCK_G)
     jm = j < G
-    found = tl.load(row + tl.minimum(tl.maximum(start, 0) + j, L - 1), mask=jm & hit, other=0)
     drafted = tl.load(drafts_ptr + s * drafts_stride + j, mask=jm, other=0)
+    if AGREE:
+        first = tl.load(row + tl.minimum(tl.maximum(start, 0), L - 1))
+        hit = hit & (first == tl.load(drafts_ptr + s * drafts_stride))
+    found = tl.load(row + tl.minimum(tl.maximum(start, 0) + j, L - 1), mask=jm & hit, other=0)
     tok = tl.where(hit, found, drafted)
     tl.store(merged_ptr + s * G + j, tok, mask=jm)
     tl.store(ids_ptr + s * (G + 1) + 1 + j, tok, mask=jm)
@@ -53,7 +56,7 @@ def _lookup_drafts_kernel(hist_ptr, hist_stride, rows_ptr, len_ptr, block_len_pt
     tl.store(looked_ptr + s, hit)
 
 
-def lookup_drafts(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n):
+def lookup_drafts(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n, agree=False):
     S, G = drafts.shape
     dev = drafts.device
     assert history.stride(1) == 1 and drafts.stride(1) == 1
@@ -64,6 +67,6 @@ def lookup_drafts(history, rows, lengths, block_len, greedy, drafts, last, min_n
         _lookup_drafts_kernel[(S,)](
             history, history.stride(0), rows, lengths, block_len, drafts if greedy is None else greedy, drafts,
             drafts.stride(0), last, ids, merged, looked_up, G, min_n, max_n, HAS_GREEDY=greedy is not None,
-            BLOCK=512, BLOCK_G=triton.next_power_of_2(max(G, 1)),
+            AGREE=bool(agree), BLOCK=512, BLOCK_G=triton.next_power_of_2(max(G, 1)),
         )
     return ids, merged, looked_up

@@ -76,9 +76,9 @@ def argmax(x):
     return _argmax.argmax(x) if _argmax is not None and x.is_cuda and x.shape[-1] > 0 else x.argmax(-1)
 
 
-def lookup_drafts(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n):
+def lookup_drafts(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n, agree=False):
     fn = _lookup.lookup_drafts if _lookup is not None and history.is_cuda else lookup_drafts_ref
-    return fn(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n)
+    return fn(history, rows, lengths, block_len, greedy, drafts, last, min_n, max_n, agree)
 
 
 def block_inputs(start, last, budget, target_tables, draft_tables, block_size, kv_block_size, mask_token_id):

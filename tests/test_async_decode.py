@@ -21,6 +21,9 @@ def models(tmp_path_factory):
 
 
 def engine(root, drafter: bool, async_: bool, **kw):
+    # Async steps take lookups only where the drafter agrees by default; a
+    # synchronous engine compared with one follows the same rule.
+    kw.setdefault("prompt_lookup_agree", True)
     return build_engine(EngineConfig(
         target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4,
         num_kv_blocks=300, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, cuda_graphs=True,
@@ -144,26 +147,44 @@ def test_fewer_speculative_tokens_than_the_drafters_block(models):
     assert 3 in [a for o in runs[False].values() for a in o.metrics.acceptance_lengths]
 
 
-def test_async_lookups_draft_what_sync_lookups_draft(models):
+@pytest.mark.parametrize("agree", [False, True], ids=["plain", "agree"])
+def test_async_lookups_draft_what_sync_lookups_draft(models, agree, monkeypatch):
     """Prompt lookups in async steps come from the rows' tokens on the
     device, which every replay extends: step by step the same drafts as the
-    host's index, so the same acceptance lengths and lookup counts."""
+    host's index, so the same acceptance lengths and lookup counts (with
+    ``agree``, the same lookups refused for opening with another token than
+    the drafter's)."""
     g = torch.Generator().manual_seed(5)
     motif = torch.randint(2, 319, (5,), generator=g).tolist()
     ps = [motif * 4, prompts()[0] * 3, motif + prompts()[1] + motif[:3], motif[::-1] * 3]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (50, 40, 45, 12)]
+    joins = {2: 12}
+    plain = run(engine(models, True, True, prompt_lookup_agree=False), ps, params, joins)
+    if agree:
+        # A drafter that drafts the outputs' most common token everywhere:
+        # the lookups that open with it agree, the others do not.
+        from collections import Counter
+
+        from specray.actors.models.dflash import DFlashDrafter
+
+        common = Counter(t for o in plain.values() for t in o.token_ids).most_common(1)[0][0]
+        logits = DFlashDrafter.logits
+        monkeypatch.setattr(DFlashDrafter, "logits",
+                            lambda self, hidden: logits(self, hidden).index_fill(-1, torch.tensor([common]), 1e4))
     # Request 3 finishes early and request 2 joins later: rows of the
     # device history are reclaimed and reused across chains.
-    joins = {2: 12}
-    sync = run(engine(models, True, False), ps, params, joins)
-    eng = engine(models, True, True)
+    sync = run(engine(models, True, False, prompt_lookup_agree=agree), ps, params, joins)
+    eng = engine(models, True, True, prompt_lookup_agree=agree)
     got = run(eng, ps, params, joins)
     assert eng.num_async_steps > 10
     for rid in "0123":
         assert got[rid].token_ids == sync[rid].token_ids
         assert got[rid].metrics.acceptance_lengths == sync[rid].metrics.acceptance_lengths, rid
         assert got[rid].metrics.num_lookup_steps == sync[rid].metrics.num_lookup_steps, rid
-    assert sum(o.metrics.num_lookup_steps for o in got.values()) > 5
+    lookups = sum(o.metrics.num_lookup_steps for o in got.values())
+    assert lookups > 5
+    if agree:  # some were refused: the plain rule took more
+        assert sum(o.metrics.num_lookup_steps for o in plain.values()) > lookups
 
 
 @pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])

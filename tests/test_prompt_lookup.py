@@ -95,23 +95,33 @@ def test_lookup_drafts_reference_merges_by_the_rules():
     assert 0 < int(looked_up.sum()) < int(found.sum())  # some found rows are refused
     _, _, all_rows = lookup_drafts_ref(history, rows, lengths, block_len, None, drafts, last, lo, hi)
     assert torch.equal(all_rows, found & (block_len > 1))
+    # agree: a row's lookup is taken only where it opens with the drafter's first draft.
+    drafts[::2, 0] = found_drafts[::2, 0]
+    _, merged, agreed = lookup_drafts_ref(history, rows, lengths, block_len, greedy, drafts, last, lo, hi, agree=True)
+    _, _, plain = lookup_drafts_ref(history, rows, lengths, block_len, greedy, drafts, last, lo, hi)
+    assert torch.equal(agreed, plain & (found_drafts[:, 0] == drafts[:, 0]))
+    assert 0 < int(agreed.sum()) < int(plain.sum())
+    assert torch.equal(merged, torch.where(agreed[:, None], found_drafts, drafts))
 
 
 @pytest.mark.gpu
 def test_device_lookup_kernel_matches_reference():
     pytest.importorskip("triton")
-    from specray.kernels.lookup import lookup_drafts_ref
+    from specray.kernels.lookup import lookup_drafts_ref, ngram_lookup_ref
     from specray.kernels.lookup_triton import lookup_drafts
 
     rng = random.Random(2)
     for lo, hi, width, vocab in [(1, 3, 70, 5), (2, 4, 1500, 3), (2, 4, 3000, 40), (3, 6, 600, 4)]:
         args, _ = _lookup_case(rng, lo, hi, width, vocab, "cuda")
+        history, rows, lengths, drafts = args[0], args[1], args[2], args[5]
+        drafts[::2, 0] = ngram_lookup_ref(history[rows], lengths, lo, hi, 1)[0][::2, 0]  # half the rows agree
         for greedy in (args[4], None):
-            a = args[:4] + (greedy,) + args[5:]
-            want = lookup_drafts_ref(*a, lo, hi)
-            got = lookup_drafts(*a, lo, hi)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (lo, hi, width)
-            assert int(want[2].sum()) > 0
+            for agree in (False, True):
+                a = args[:4] + (greedy,) + args[5:]
+                want = lookup_drafts_ref(*a, lo, hi, agree)
+                got = lookup_drafts(*a, lo, hi, agree)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (lo, hi, width, agree)
+                assert int(want[2].sum()) > 0
 
 
 def test_index_examples():
@@ -146,6 +156,24 @@ def test_merge_takes_lookup_rows_and_keeps_q_exact():
         merge_lookup_drafts(None, [[1], []], G, sampled, torch.device("cpu"))
 
 
+def test_agreeing_merge_takes_only_lookups_that_open_with_the_drafters_token():
+    S, G, K = 3, 4, 5
+    g = torch.Generator().manual_seed(1)
+    drafter = DraftOutput(torch.tensor([[7, 1, 2, 3], [9, 1, 2, 3], [4, 5, 6, 7]]),
+                          torch.randint(0, 50, (S, G, K), generator=g), torch.rand(S, G, K, generator=g).softmax(-1))
+    lookup = [[7, 8], [10, 11], []]  # row 0 agrees, row 1 does not, row 2 has none
+    cpu = torch.device("cpu")
+    greedy = SamplingTensors.build([SamplingParams(temperature=0)] * S, [0, 1, 2], [0, 0, 0], G + 1)
+    out = merge_lookup_drafts(DraftOutput(drafter.tokens, None, None), lookup, G, greedy, cpu, agree=True)
+    assert out.tokens.tolist() == [[7, 8, 8, 8], [9, 1, 2, 3], [4, 5, 6, 7]]
+    # A sampled row keeps the plain rule (its drafter token is a draw from q, not a choice to agree with).
+    mixed = SamplingTensors.build([SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+                                   SamplingParams(temperature=0)], [0, 1, 2], [0, 0, 0], G + 1)
+    out = merge_lookup_drafts(drafter, lookup, G, mixed, cpu, agree=True)
+    assert out.tokens.tolist() == [[7, 8, 8, 8], [10, 11, 11, 11], [4, 5, 6, 7]]
+    assert torch.equal(out.draft_idx[2], drafter.draft_idx[2]) and torch.equal(out.draft_q[1, :, 0], torch.ones(G))
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("lookup")
@@ -167,6 +195,8 @@ def test_greedy_with_lookup_is_the_autoregressive_output(ckpt):
         assert sum(o.metrics.num_lookup_steps for o in spec) > 10
     off = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=0).generate(PROMPTS, greedy)
     assert [o.token_ids for o in off] == ar and all(o.metrics.num_lookup_steps == 0 for o in off)
+    agree = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=1, prompt_lookup_agree=True).generate(PROMPTS, greedy)
+    assert [o.token_ids for o in agree] == ar
 
 
 def test_sampled_with_lookup_keeps_the_target_distribution(tmp_path):
