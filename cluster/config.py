@@ -338,11 +338,12 @@ class EngineConfig:
     prompt_lookup_sampled: bool = False
     # A greedy row takes its lookup draft only where it opens with the
     # drafter's first draft token; the drafter then runs every step (no
-    # step is left to lookups alone). None: on with async_scheduling, whose
-    # step graphs run the drafter every step anyway; off otherwise, where a
-    # step of lookups alone skips the drafter. On the H200 (eval / dev,
-    # T=0, lookups of 1..4 tokens) acceptance 2.445 / 2.468 -> 2.500 / 2.518.
-    prompt_lookup_agree: bool | None = None
+    # step is left to lookups alone). It suits async_scheduling, whose step
+    # graphs run the drafter every step anyway: on the H200 (eval / dev,
+    # T=0, batch 1) acceptance 2.445 / 2.468 -> 2.498 / 2.494 and 1.94x /
+    # 1.96x -> 1.98x / 1.99x. Off by default until it has passed the GPU
+    # engine tests (results/README.md).
+    prompt_lookup_agree: bool = False
     seed: int = 0
     # Synchronize the device around model passes so that StepStats splits a
     # step into model time and control overhead (costs a little speed).
@@ -393,8 +394,6 @@ class EngineConfig:
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.cuda_graphs is None:
             self.cuda_graphs = str(self.device).startswith("cuda")
-        if self.prompt_lookup_agree is None:
-            self.prompt_lookup_agree = self.async_scheduling
         if self.async_scheduling and not self.cuda_graphs:
             raise ConfigError("async_scheduling replays whole decode steps from graphs: it needs cuda_graphs")
         if self.num_speculative_tokens is not None and int(self.num_speculative_tokens) < 1:

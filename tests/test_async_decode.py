@@ -21,8 +21,8 @@ def models(tmp_path_factory):
 
 
 def engine(root, drafter: bool, async_: bool, **kw):
-    # Async steps take lookups only where the drafter agrees by default; a
-    # synchronous engine compared with one follows the same rule.
+    # Engines compared share one lookup rule: the one that needs the
+    # drafter's agreement unless a test asks for the plain one.
     kw.setdefault("prompt_lookup_agree", True)
     return build_engine(EngineConfig(
         target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4,
