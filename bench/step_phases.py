@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -34,10 +34,9 @@ PHASES = {  # EngineCore method -> phase name
 LAUNCH = "launch an async step (one graph replay)"
 
 
-def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
-    core = llm.engine
-    spent: dict[str, float] = defaultdict(float)
-
+def timer(spent: dict[str, float], calls: Counter | None = None):
+    """``timed(name, fn)``: ``fn`` adding its wall time (and, with ``calls``,
+    its call count) under ``name``."""
     def timed(name, fn):
         def wrapper(*a, **kw):
             t = time.perf_counter()
@@ -45,7 +44,16 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
                 return fn(*a, **kw)
             finally:
                 spent[name] += time.perf_counter() - t
+                if calls is not None:
+                    calls[name] += 1
         return wrapper
+    return timed
+
+
+def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
+    core = llm.engine
+    spent: dict[str, float] = defaultdict(float)
+    timed = timer(spent)
 
     for method, name in PHASES.items():
         setattr(core, method, timed(name, getattr(core, method)))

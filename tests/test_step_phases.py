@@ -41,3 +41,19 @@ def test_phases_of_an_async_step(tmp_path):
     # No synchronous step among the six: the graph runs the models.
     assert not phases & {"accept (+ wait for the GPU)", "target execute (launch)", "propose (launch + draft argmax)"}
     assert r["untimed_ms"] >= 0 and sum(r["phases_ms"].values()) <= r["step_ms"]
+
+
+def test_batch_group_times(tmp_path):
+    """bench/batch_group_times.py: one wall time per group of the batch, and
+    the time of the engine's phases it wraps."""
+    import batch_group_times
+
+    hf = make_target(tmp_path / "t", seed=4)
+    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
+    make_drafter(tmp_path / "d", hf.config)
+    llm = LLM(tmp_path / "t", tmp_path / "d", cuda_graphs=True, async_scheduling=True, max_model_len=256)
+    prompts = [[5, 6, 7, 8] * (i + 1) for i in range(5)]
+    r = batch_group_times.group_times(llm, prompts, batch_size=2, max_tokens=12)
+    assert len(r["group_ms"]) == 3 and 0 < r["tokens"] <= 5 * 12
+    assert r["calls"]["store_context"] >= 3 and r["calls"]["launch_decode"] > 0
+    assert sum(r["group_ms"]) <= 1000 * r["wall_s"] + 1
