@@ -62,6 +62,7 @@ class TargetWorker:
         max_model_len: int,
         tap_layer_ids: tuple[int, ...] = (),
         tp: TPContext | None = None,
+        block_size: int = 1,
     ):
         self.spec = spec
         self.tp = tp or TPContext()
@@ -69,9 +70,11 @@ class TargetWorker:
         self.dtype = torch_dtype(dtype)
         self.tap_layer_ids = tuple(tap_layer_ids)
         before = allocated_bytes(self.device)
-        # Padded rows of a captured decode batch run a few positions past
-        # max_model_len.
-        self.model = TargetModel(spec, self.tp, self.dtype, self.device, max_positions=max_model_len + 64)
+        # A verify block (``block_size`` rows) that starts near
+        # max_model_len runs its rows past it; the RoPE kernel reads its
+        # table without a bounds check.
+        self.model = TargetModel(spec, self.tp, self.dtype, self.device,
+                                 max_positions=max_model_len + max(64, 2 * block_size))
         self.max_model_len = max_model_len
         self.model.load(Checkpoint(spec.path))
         self.weight_bytes = allocated_bytes(self.device) - before

@@ -290,6 +290,7 @@ class TargetRank:
             self.spec, device=str(self.device), dtype=self.config.resolved_dtype,
             max_model_len=self.max_model_len, tap_layer_ids=taps,
             tp=TPContext(self.rank, self.tp_size, self.tp_group),
+            block_size=self.drafter_spec.block_size if self.drafter_spec else 1,
         )
 
     def kv_capacity(self, with_local_drafter: bool = False) -> int:

@@ -121,7 +121,7 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
     mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
     graphs = core.step_graphs(mode)
     dev = core.device
-    inputs = {}
+    inputs, uploads = {}, None
     if not chained:
         inputs["start"] = torch.tensor([r.num_computed for r in requests], dtype=torch.int64)
         inputs["last"] = torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
@@ -134,7 +134,6 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
                                        vocab_size=vocab)
             inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
                        "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
-        uploads = None
         if "history" in graphs.buffers:
             inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
     # Tables change only when a row crosses into a new block: upload them then.
@@ -144,7 +143,7 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
         if core.drafter is not None:
             inputs["draft_tables"] = block_table_tensor([r.draft_blocks.blocks for r in requests])
         core.uploaded_tables = [list(t) for t in tables]
-    if not chained and uploads is not None:
+    if uploads is not None:
         inputs["history_uploads"] = uploads
     inputs = upload_together(inputs, dev)
     if "history_uploads" in inputs:

@@ -341,7 +341,7 @@ class EngineConfig:
     # step is left to lookups alone). It suits async_scheduling, whose step
     # graphs run the drafter every step anyway: on the H200 (eval / dev,
     # T=0, batch 1) acceptance 2.445 / 2.468 -> 2.498 / 2.494 and 1.94x /
-    # 1.96x -> 1.98x / 1.99x. Off by default until it has passed the GPU
+    # 1.96x -> 1.98x / 1.98x. Off by default until it has passed the GPU
     # engine tests (results/README.md).
     prompt_lookup_agree: bool = False
     seed: int = 0

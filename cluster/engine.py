@@ -246,10 +246,8 @@ class EngineCore:
         if self.drafter is not None and decode:
             lookup = self._lookup_drafts(decode)
             # A step where every request has a lookup draft skips the
-            # drafter, unless lookups need its agreement (and some block
-            # verifies a draft: a one-row block's drafts are never read).
-            agree = self.config.prompt_lookup_agree and any(d.block_len > 1 for d in decode)
-            if agree or not all(lookup):
+            # drafter, unless lookups need its agreement.
+            if self.config.prompt_lookup_agree or not all(lookup):
                 draft_batch = self._draft_batch(decode, st_cpu if getattr(self.drafter, "packs_host_batch", False)
                                                 else st_dev)
                 self._sync()

@@ -64,6 +64,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         dtype=dtype,
         max_model_len=max_model_len,
         tap_layer_ids=drafter_spec.target_layer_ids if drafter_spec else (),
+        block_size=drafter_spec.block_size if drafter_spec else 1,
     )
     drafter = None
     if drafter_spec is not None:

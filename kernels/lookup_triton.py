@@ -46,7 +46,7 @@ def _lookup_drafts_kernel(hist_ptr, hist_stride, rows_ptr, len_ptr, block_len_pt
     jm = j < G
     drafted = tl.load(drafts_ptr + s * drafts_stride + j, mask=jm, other=0)
     if AGREE:
-        first = tl.load(row + tl.minimum(tl.maximum(start, 0), L - 1))
+        first = tl.load(row + tl.maximum(start, 0), mask=hit, other=-1)
         hit = hit & (first == tl.load(drafts_ptr + s * drafts_stride))
     found = tl.load(row + tl.minimum(tl.maximum(start, 0) + j, L - 1), mask=jm & hit, other=0)
     tok = tl.where(hit, found, drafted)

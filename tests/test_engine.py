@@ -178,3 +178,21 @@ def test_a_smaller_drafter_pool_preempts_and_changes_no_output(ckpt):
     assert sum(o.metrics.num_preemptions for o in got.values()) > 0
     pools = (engine.scheduler.target_pool, engine.scheduler.draft_pool)
     assert all(p.num_free == p.capacity for p in pools)
+
+
+def test_a_long_draft_block_runs_to_the_length_limit(tmp_path):
+    """A drafter block of 80 rows: a verify block that starts near
+    max_model_len runs its padded rows ~80 positions past it, beyond the 64
+    the target's RoPE table once covered (the CPU reference raised
+    IndexError there; the GPU kernel reads the table unchecked). Greedy
+    output to the limit is the autoregressive one."""
+    from factories import make_models
+
+    root = make_models(tmp_path, block_size=80)
+    prompt = list(range(2, 40))
+    greedy = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    kw = dict(max_model_len=120, cuda_graphs=True)
+    spec = LLM(root / "t", root / "d", **kw).generate([prompt], greedy)[0]
+    ar = LLM(root / "t", **kw).generate([prompt], greedy)[0]
+    assert spec.finish_reason == "length" and len(spec.token_ids) == 120 - len(prompt)
+    assert spec.token_ids == ar.token_ids
