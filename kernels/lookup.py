@@ -9,8 +9,8 @@ padded with the last of them where the row ends first.
 ``lookup_drafts`` is what a step graph runs: it reads the batch's rows of
 the history buffer, looks up, and writes the verify block's input ids
 with a row's lookup draft in place of its drafter's where it has one (on
-the GPU one kernel, where gather, lookup, compare, where and cat were
-five)."""
+the GPU one kernel, where gather, lookup, compare, and, where and cat
+were six)."""
 
 from __future__ import annotations
 
