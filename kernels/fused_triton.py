@@ -131,13 +131,21 @@ def rms_norm(x, weight, eps, residual=None):
     return y, s
 
 
+def _rope_args(rope, N: int, D: int, dtype: torch.dtype):
+    """The kernel's view of ``RopeRows`` for ``N`` tokens of head dim ``D``:
+    the cos and sin tables and the positions, contiguous."""
+    cos, sin, positions = rope.cos_table, rope.sin_table, rope.positions.contiguous()
+    assert cos.shape[-1] == D and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+    assert positions.shape == (N,) and rope.dtype == dtype
+    return cos, sin, positions
+
+
 def qkv_rope(q_src, kv_src, num_q_heads, num_kv_heads, head_dim, rope, q_norm, k_norm, eps,
              k_cache=None, v_cache=None, slot_mapping=None):
     N, D, nq, nkv = kv_src.shape[0], head_dim, num_q_heads, num_kv_heads
     dev, dt = kv_src.device, kv_src.dtype
-    cos, sin, positions = rope.cos_table, rope.sin_table, rope.positions.contiguous()
-    assert cos.shape[-1] == D and cos.stride(-1) == 1 and sin.stride() == cos.stride() and kv_src.stride(-1) == 1
-    assert positions.shape == (N,) and rope.dtype == dt
+    cos, sin, positions = _rope_args(rope, N, D, dt)
+    assert kv_src.stride(-1) == 1
     assert not nq or (q_norm is None) == (k_norm is None), "q and k are normed together or not at all"
     q = torch.empty(N, nq, D, dtype=dt, device=dev) if nq else None
     store = k_cache is not None
@@ -163,8 +171,7 @@ def context_kv(kv_all, num_kv_heads, head_dim, rope, k_norms, eps, kv_cache, slo
     L, N, D, nkv = kv_cache.shape[0], kv_all.shape[0], head_dim, num_kv_heads
     assert kv_cache.is_contiguous() and kv_all.stride(-1) == 1 and kv_all.shape[1] == L * 2 * nkv * D
     assert k_norms is None or (k_norms.shape == (L, D) and k_norms.is_contiguous())
-    cos, sin, positions = rope.cos_table, rope.sin_table, rope.positions.contiguous()
-    assert cos.shape[-1] == D and rope.dtype == kv_all.dtype and positions.shape == (N,)
+    cos, sin, positions = _rope_args(rope, N, D, kv_all.dtype)
     if N:
         k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
         _qkv_rope_kernel[(N, 2 * nkv, L)](
