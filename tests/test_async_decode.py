@@ -158,9 +158,11 @@ def test_async_lookups_draft_what_sync_lookups_draft(models, agree, monkeypatch)
     motif = torch.randint(2, 319, (5,), generator=g).tolist()
     ps = [motif * 4, prompts()[0] * 3, motif + prompts()[1] + motif[:3], motif[::-1] * 3]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (50, 40, 45, 12)]
+    # Request 3 finishes early and request 2 joins later: rows of the
+    # device history are reclaimed and reused across chains.
     joins = {2: 12}
-    plain = run(engine(models, True, True, prompt_lookup_agree=False), ps, params, joins)
     if agree:
+        plain = run(engine(models, True, True, prompt_lookup_agree=False), ps, params, joins)
         # A drafter that drafts the outputs' most common token everywhere:
         # the lookups that open with it agree, the others do not.
         from collections import Counter
@@ -171,8 +173,6 @@ def test_async_lookups_draft_what_sync_lookups_draft(models, agree, monkeypatch)
         logits = DFlashDrafter.logits
         monkeypatch.setattr(DFlashDrafter, "logits",
                             lambda self, hidden: logits(self, hidden).index_fill(-1, torch.tensor([common]), 1e4))
-    # Request 3 finishes early and request 2 joins later: rows of the
-    # device history are reclaimed and reused across chains.
     sync = run(engine(models, True, False, prompt_lookup_agree=agree), ps, params, joins)
     eng = engine(models, True, True, prompt_lookup_agree=agree)
     got = run(eng, ps, params, joins)
