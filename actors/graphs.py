@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from specray.staging import STAGING
+
 
 def capture_sizes(max_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s < max_seqs]
@@ -59,23 +61,27 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= n)
 
     def run(self, n: int, inputs: dict[str, torch.Tensor]) -> tuple:
-        """Copy the inputs of ``n`` sequences in, pad, run; outputs cover the
-        padded size (callers read their first rows). An input may hold
-        fewer than ``n * rows_per_seq`` rows: the rest are padded."""
+        """Copy the inputs of ``n`` sequences in (host tensors through pinned
+        staging), pad, run; outputs cover the padded size (callers read
+        their first rows). An input may hold fewer than ``n * rows_per_seq``
+        rows: the rest are padded."""
         size = self.padded(n)
-        for name, src in inputs.items():
-            buf, r = self.buffers[name], self.rows[name]
-            dst = buf[: n * r]
-            if src.shape[0] < dst.shape[0]:  # the last sequence's missing rows are padding
-                self._fill(name, buf[src.shape[0] : n * r])
-                dst = dst[: src.shape[0]]
-            if dst.dim() == 2 and src.shape[1] < dst.shape[1]:
-                dst[:, : src.shape[1]].copy_(src, non_blocking=True)
-                dst[:, src.shape[1] :].zero_()
-            else:
-                dst.copy_(src, non_blocking=True)
-            if size > n:
-                self._fill(name, buf[n * r : size * r])
+        with STAGING.session(self.device) as stage:
+            for name, src in inputs.items():
+                if self.use_graphs and src.device.type == "cpu":
+                    src = stage(src)  # pinned: the copy does not wait for the device
+                buf, r = self.buffers[name], self.rows[name]
+                dst = buf[: n * r]
+                if src.shape[0] < dst.shape[0]:  # the last sequence's missing rows are padding
+                    self._fill(name, buf[src.shape[0] : n * r])
+                    dst = dst[: src.shape[0]]
+                if dst.dim() == 2 and src.shape[1] < dst.shape[1]:
+                    dst[:, : src.shape[1]].copy_(src, non_blocking=True)
+                    dst[:, src.shape[1] :].zero_()
+                else:
+                    dst.copy_(src, non_blocking=True)
+                if size > n:
+                    self._fill(name, buf[n * r : size * r])
         if not self.use_graphs:
             return self.fn(size)
         if size not in self.graphs:

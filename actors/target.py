@@ -14,6 +14,7 @@ from specray.actors.models.qwen3 import TargetModel
 from specray.actors.weights import Checkpoint, torch_dtype
 from specray.config import EngineConfig, TargetSpec
 from specray.plan import AttentionMetadata, TargetBatch
+from specray.staging import host_to_device
 
 
 def free_memory_bytes(
@@ -181,8 +182,6 @@ class TargetWorker:
             "block_tables": a.block_tables,
             "logits_index": batch.logits_indices[:1] if batch.logits_indices.shape[0] else torch.zeros(1, dtype=torch.int64),
         }
-        if self.device.type == "cuda":
-            inputs = {k: v.pin_memory() for k, v in inputs.items()}
         logits, hidden = self.prefill_graphs[rows].run(1, inputs)
         self.last_hidden = hidden[:n] if hidden is not None else None
         return logits[: batch.logits_indices.shape[0]] if logits is not None else None
@@ -237,4 +236,4 @@ class TargetWorker:
         assert self.last_hidden is not None, "the last forward tapped no hidden states"
         if rows is None:
             return self.last_hidden
-        return self.last_hidden.index_select(0, rows.to(self.device, non_blocking=True))
+        return self.last_hidden.index_select(0, host_to_device(rows, self.device))

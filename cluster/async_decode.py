@@ -32,7 +32,8 @@ import torch
 
 from specray.actors.kv_cache import block_table_tensor
 from specray.request import Request
-from specray.sampling import SamplingTensors, any_filter, host_to_device, seed_keys
+from specray.sampling import SamplingTensors, any_filter, seed_keys
+from specray.staging import host_to_device
 
 
 @dataclass
@@ -73,40 +74,50 @@ class HistorySlots:
             if owner is not None and id(owner) not in alive:
                 owner.history_slot, owner.history_on_device = None, 0
                 self.owners[i] = None
-        slots, uploads = [], []
+        slots, rows, cols, values = [], [], [], []
         for r in requests:
             if r.history_slot is None:
                 r.history_slot = self.owners.index(None)
                 self.owners[r.history_slot] = r
             tokens = r.all_token_ids
             k = r.history_on_device
-            uploads.append(torch.stack([torch.full((len(tokens) - k,), r.history_slot),
-                                        torch.arange(k, len(tokens)), torch.tensor(tokens[k:], dtype=torch.int64)]))
+            rows += [r.history_slot] * (len(tokens) - k)
+            cols += range(k, len(tokens))
+            values += tokens[k:]
             r.history_on_device = len(tokens)
             slots.append(r.history_slot)
-        return torch.tensor(slots, dtype=torch.int64), torch.cat(uploads, 1)
+        return torch.tensor(slots, dtype=torch.int64), torch.tensor([rows, cols, values], dtype=torch.int64)
 
 
-def upload_together(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host tensors on ``device`` through one pinned buffer and one copy per
-    kind (integer and flag inputs as int64, float ones as float32), as views
-    of it; the step graphs' buffers cast as they copy. A first step has
-    seven to eleven small inputs: pinned and copied one by one, they cost
-    the host ~65 us each on the H200."""
-    if device.type != "cuda" or not inputs:
-        return inputs
-    out = {}
-    for floating in (False, True):  # integers and flags as int64, sampling parameters as float32
-        group = {k: t for k, t in inputs.items() if t.is_floating_point() == floating}
-        if not group:
-            continue
-        dtype = torch.float32 if floating else torch.int64
-        flat = host_to_device(torch.cat([t.reshape(-1).to(dtype) for t in group.values()]), device)
-        i = 0
-        for name, t in group.items():
-            out[name] = flat[i : i + t.numel()].view(t.shape)
-            i += t.numel()
-    return out
+class ResultBuffers:
+    """Pinned host buffers that steps' results are copied into, taken in
+    turn. A step's results are read before two more steps are launched (one
+    step is in flight while the previous one is applied), so four buffers
+    are never overwritten while the host may still read them; taking one
+    also waits for the copy into it from four steps before (long done: the
+    copy of a step that was dropped unread may still be queued). Pinning a
+    fresh buffer each step cost the host up to ~150 us on the H200."""
+
+    def __init__(self, count: int = 4):
+        self._slots: list[tuple[torch.Tensor | None, torch.cuda.Event | None]] = [(None, None)] * count
+        self._next = 0
+
+    def fetch(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned copy of the device tensor ``out`` (enqueued), and the
+        event recorded after it."""
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        buf, previous = self._slots[i]
+        if previous is not None:
+            previous.synchronize()
+        if buf is None or buf.dtype != out.dtype or buf.numel() < out.numel():
+            buf = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
+        results = buf[: out.numel()].view(out.shape)
+        results.copy_(out, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self._slots[i] = (buf, ready)
+        return results, ready
 
 
 def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
@@ -144,18 +155,12 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
             inputs["draft_tables"] = block_table_tensor([r.draft_blocks.blocks for r in requests])
         core.uploaded_tables = [list(t) for t in tables]
     if uploads is not None:
-        inputs["history_uploads"] = uploads
-    inputs = upload_together(inputs, dev)
-    if "history_uploads" in inputs:
-        rows, cols, tokens = inputs.pop("history_uploads")
+        rows, cols, tokens = host_to_device(uploads, dev)
         graphs.buffers["history"].index_put_((rows, cols), tokens)
     (out,) = graphs.run(len(requests), inputs)
     out = out[: len(requests)]
     if dev.type == "cuda":
-        results = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        results.copy_(out, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        results, ready = core.result_buffers.fetch(out)
     else:
         results, ready = out.clone(), None
     return InflightStep(list(requests), results, ready)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import BlockAllocator, block_table_tensor
-from specray.async_decode import HistorySlots, InflightStep, launch_decode
+from specray.async_decode import HistorySlots, InflightStep, ResultBuffers, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import (
     detokenize_step,
@@ -41,7 +41,8 @@ from specray.detokenizer import (
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.request import Request, RequestOutput, check_prompt_length
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
-from specray.sampling import SamplingParams, SamplingTensors, host_to_device, verify
+from specray.sampling import SamplingParams, SamplingTensors, verify
+from specray.staging import host_to_device
 from specray.scheduler import DecodeItem, PrefillItem, Scheduler
 
 
@@ -127,6 +128,7 @@ class EngineCore:
         self._step_graphs = {}
         self._step_buffers: dict[str, torch.Tensor] = {}  # inputs the step graphs of every sampling kind share
         self.history_slots = HistorySlots(self.config.max_num_seqs)  # requests' rows of the graphs' token history
+        self.result_buffers = ResultBuffers()  # pinned copies of the async steps' results
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
 
@@ -561,7 +563,8 @@ class EngineCore:
                 torch.tensor(ctx_slots, dtype=torch.int64),
             )
         elif ctx_rows:
-            rows = torch.tensor(ctx_rows, dtype=torch.int64)
+            # Increasing and distinct: as many as the forward's rows is all of them (a prefill alone).
+            rows = None if len(ctx_rows) == row else torch.tensor(ctx_rows, dtype=torch.int64)
             self.drafter.store_context(
                 self.target.hidden_rows(rows),
                 torch.tensor(ctx_pos, dtype=torch.int64),

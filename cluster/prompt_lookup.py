@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specray.plan import DraftOutput
-from specray.sampling import SamplingTensors, host_to_device
+from specray.sampling import SamplingTensors
+from specray.staging import host_to_device
 
 
 @dataclass

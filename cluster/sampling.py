@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.kernels import ops
+from specray.staging import host_to_device
 
 STREAM_DRAFT = 1  # drafter samples a draft token
 STREAM_ACCEPT = 2  # accept / reject a draft token
@@ -162,18 +163,6 @@ def any_filter(params: list[SamplingParams], vocab_size: int | None = None) -> b
     below the vocabulary, top-p below 1)."""
     max_k = vocab_size if vocab_size is not None else float("inf")
     return any(not p.greedy and (0 < p.top_k < max_k or p.top_p < 1) for p in params)
-
-
-def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device``. A host tensor bound for a GPU goes through
-    pinned memory as an asynchronous copy: a plain ``.to()`` from pageable
-    memory waits for the device to drain its queue, which stalls the host
-    while the model runs. An already pinned ``t`` is copied from as it is:
-    the caller must leave it unchanged until the copy has run."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------- randomness
