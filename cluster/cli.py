@@ -26,7 +26,7 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
                             "(shortest match; 0: drafter only)")
         p.add_argument("--prompt-lookup-agree", action=argparse.BooleanOptionalAction, default=None,
                        help="take a greedy request's lookup draft only where it opens with the drafter's first "
-                            "draft token (the drafter then runs every step)")
+                            "draft token (the drafter then runs every step; default: on with --async-scheduling)")
 
 
 def lookup_args(args) -> dict:

@@ -228,6 +228,17 @@ def test_prompt_lookup_bench_reports_identical_tokens(ckpt, tmp_path):
         assert r["identical_to_drafter_alone"] == 3 and r["lookup_step_fraction"] > 0
 
 
+def test_agreeing_lookups_default_to_the_async_engine():
+    """``prompt_lookup_agree`` left unset follows ``async_scheduling`` (its
+    step graphs run the drafter every step anyway); a setting given wins."""
+    from specray.config import EngineConfig
+
+    assert EngineConfig("t", cuda_graphs=True, async_scheduling=True).prompt_lookup_agree is True
+    assert EngineConfig("t").prompt_lookup_agree is False
+    assert EngineConfig("t", cuda_graphs=True, async_scheduling=True, prompt_lookup_agree=False).prompt_lookup_agree is False
+    assert EngineConfig("t", prompt_lookup_agree=True).prompt_lookup_agree is True
+
+
 def test_sampled_requests_skip_lookups_unless_asked(ckpt):
     sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     plain = LLM(ckpt / "t", ckpt / "d", prompt_lookup_min=1).generate(PROMPTS, sampled)
