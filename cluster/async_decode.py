@@ -95,8 +95,9 @@ class ResultBuffers:
     step is in flight while the previous one is applied), so four buffers
     are never overwritten while the host may still read them; taking one
     also waits for the copy into it from four steps before (long done: the
-    copy of a step that was dropped unread may still be queued). Pinning a
-    fresh buffer each step cost the host up to ~150 us on the H200."""
+    copy of a step that was dropped unread may still be queued). A fresh
+    pinned buffer a step went through PyTorch's pinned allocator
+    (staging.py says what that cost)."""
 
     def __init__(self, count: int = 4):
         self._slots: list[tuple[torch.Tensor | None, torch.cuda.Event | None]] = [(None, None)] * count

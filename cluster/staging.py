@@ -2,13 +2,15 @@
 
 A copy from pageable host memory waits for the device to drain its queue,
 so every host tensor bound for a step goes through pinned memory. Pinning a
-fresh tensor each time cost the H200's host ~150 us a step start (PyTorch's
-pinned allocator called ``cudaHostAlloc`` on most of them while earlier
-copies were still queued). Here one pinned ring is reused: a session stages
-host tensors into it, the caller enqueues the copies that read them, and
-the session's end records an event; a region is written again only once the
-event of the copy that read it has passed (a wrap of the ring waits for
-nothing in practice: it is ~1 MB of ids and flags behind).
+fresh tensor each time was slow on the H200's host: in one profile of a
+request's first async launch PyTorch's pinned allocator called
+``cudaHostAlloc`` (~150 us of it per launch), and a prefill step's
+``pin_memory`` checks (``is_pinned``) took ~360 us. Here one pinned ring is
+reused: a session stages host tensors into it, the caller enqueues the
+copies that read them, and the session's end records an event; a region is
+written again only once the event of the copy that read it has passed (a
+wrap of the ring waits for nothing in practice: it is ~1 MB of ids and
+flags behind).
 """
 
 from __future__ import annotations
