@@ -10,7 +10,10 @@ positions, slots (from block tables reserved two blocks ahead) and
 sequence lengths follow on the device. So the engine enqueues step n+1
 (one graph replay: propose, verify, accept, context store;
 actors/step_graph.py) and only then waits for step n's results, which it
-applies while the GPU runs step n+1.
+applies while the GPU runs step n+1. A chain can start at the prefill
+that finishes its prompts: the first decode step opens with the first
+tokens the prefill left on the device, and is launched (after the
+drafter's context store of the prompts) before the host reads them.
 
 Tokens do not change: every row emits exactly what the synchronous step
 would. Its drafts are the same (prompt lookups run over a copy of the
@@ -121,29 +124,73 @@ class ResultBuffers:
         return results, ready
 
 
-def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
+def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep | None:
+    """The first decode step of the requests whose prompts the synchronous
+    step ``plan`` finished, launched before the host reads their first
+    tokens (``first_tokens`` ``[P]`` on the device, in ``plan.prefill``'s
+    order): the drafter's context store of the step's rows, then one step
+    graph replay whose rows open with those tokens. The host's launch then
+    overlaps the GPU's prefill, where it waited for the token first (the
+    speculative engine's store and first launch cost the H200's host ~1.3 ms
+    a request with the GPU idle). None where the next step must be
+    synchronous, by the rules a running chain follows (``_can_chain``)."""
+    sched, B = core.scheduler, core.block_size
+    requests = [p.request for p in plan.prefill]
+    if plan.decode or plan.preempted or not requests or len(first_tokens) != len(requests):
+        return None
+    if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
+            not core.async_capable(requests):
+        return None
+    for p in plan.prefill:
+        r = p.request
+        # Its first token must leave it a token to emit, and its next block room.
+        if not p.is_last_chunk or r.output_token_ids or sched.emit_budget(r) < 2 or \
+                r.num_tokens + 2 * B > core.max_model_len:
+            return None
+    if not all(sched.reserve(r, r.num_tokens + B) for r in requests):
+        return None  # what was reserved is trimmed when the prefill commits
+    if core.drafter is not None:  # the step's rows are the prompts' rows, in order
+        positions = [i for p in plan.prefill for i in range(p.start, p.end)]
+        slots = [s for p in plan.prefill for s in p.request.draft_blocks.slots(p.start, p.end)]
+        core.drafter.store_context(core.target.hidden_rows(None), torch.tensor(positions, dtype=torch.int64),
+                                   torch.tensor(slots, dtype=torch.int64))
+    return launch_decode(core, requests, chained=False, first_tokens=first_tokens)
+
+
+def launch_decode(core, requests: list[Request], chained: bool,
+                  first_tokens: torch.Tensor | None = None) -> InflightStep:
     """Enqueue one step graph replay (actors/step_graph.py) for
     ``requests``: a first step loads each row's start and last token from
-    the host, a chained one continues from the previous replay's. Blocks
-    must be reserved through each row's block (``start + B``, or its
-    cut-short end: the rows past that end write K/V nothing reads, into
-    the row's last block or the reserved block 0)."""
+    the host (or, with ``first_tokens`` ``[S]`` on the device, opens each
+    row's block with that token, the one after its prompt), a chained one
+    continues from the previous replay's. Blocks must be reserved through
+    each row's block (``start + B``, or its cut-short end: the rows past
+    that end write K/V nothing reads, into the row's last block or the
+    reserved block 0)."""
     params = [r.params for r in requests]
     vocab = core.target_spec.vocab_size
     mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
     graphs = core.step_graphs(mode)
     dev = core.device
     inputs, uploads = {}, None
+    after_prefill = first_tokens is not None
     if not chained:
-        inputs["start"] = torch.tensor([r.num_computed for r in requests], dtype=torch.int64)
-        inputs["last"] = torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
+        starts = [r.num_tokens if after_prefill else r.num_computed for r in requests]
+        inputs["start"] = torch.tensor(starts, dtype=torch.int64)
+        inputs["last"] = first_tokens if after_prefill else \
+            torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
         inputs["real"] = torch.ones(len(requests), dtype=torch.bool)
         # Both bounds of the scheduler's (max_tokens, max_model_len) fall by
         # the tokens each step emits, so the device keeps it exact.
-        inputs["budget"] = torch.tensor([core.scheduler.emit_budget(r) for r in requests])
+        budgets = [core.scheduler.emit_budget(r) - after_prefill for r in requests]
+        inputs["budget"] = torch.tensor(budgets)
+        kv = core.config.kv_block_size
+        for r, start, budget in zip(requests, starts, budgets):
+            # Unreserved rows would write their K/V into block 0 and read back nothing.
+            if len(r.target_blocks.blocks) * kv < start + min(core.block_size, budget):
+                raise RuntimeError(f"request {r.request_id}: blocks not reserved through its first step's block")
         if mode != "greedy":
-            st = SamplingTensors.build(params, [r.seed for r in requests], inputs["start"].tolist(), 0,
-                                       vocab_size=vocab)
+            st = SamplingTensors.build(params, [r.seed for r in requests], starts, 0, vocab_size=vocab)
             inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
                        "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
         if "history" in graphs.buffers:
@@ -157,7 +204,11 @@ def launch_decode(core, requests: list[Request], chained: bool) -> InflightStep:
         core.uploaded_tables = [list(t) for t in tables]
     if uploads is not None:
         rows, cols, tokens = host_to_device(uploads, dev)
-        graphs.buffers["history"].index_put_((rows, cols), tokens)
+        history = graphs.buffers["history"]
+        history.index_put_((rows, cols), tokens)
+        if after_prefill:  # the first tokens, after the prompts the rows hold now
+            history.index_put_((host_to_device(inputs["slot"], dev), host_to_device(inputs["start"], dev)),
+                               first_tokens.to(history.dtype))
     (out,) = graphs.run(len(requests), inputs)
     out = out[: len(requests)]
     if dev.type == "cuda":

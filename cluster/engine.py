@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import BlockAllocator, block_table_tensor
-from specray.async_decode import HistorySlots, InflightStep, ResultBuffers, launch_decode
+from specray.async_decode import HistorySlots, InflightStep, ResultBuffers, chain_from_prefill, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import (
     detokenize_step,
@@ -71,6 +71,24 @@ def _token_ids(prompt) -> list[int]:
         except TypeError:
             raise ValueError(f"prompt token ids must be integers, got {t!r} at index {i}") from None
     return ids
+
+
+@dataclass
+class AcceptedOnDevice:
+    """A synchronous step's results, being copied to the host."""
+
+    host: torch.Tensor  # [2S + S*G + P]: accepted counts, bonus tokens, drafts, first tokens
+    ready: torch.cuda.Event | None
+    S: int  # decode rows
+    G: int  # drafts a row
+    first_tokens: torch.Tensor | None  # [P] on the device: first tokens of the prompts this step finished
+
+    def read(self) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        host, S, G = self.host.tolist(), self.S, self.G
+        drafts = host[2 * S : 2 * S + S * G]
+        return host[:S], host[S : 2 * S], [drafts[s * G : (s + 1) * G] for s in range(S)], host[2 * S + S * G :]
 
 
 class EngineCore:
@@ -131,6 +149,7 @@ class EngineCore:
         self.result_buffers = ResultBuffers()  # pinned copies of the async steps' results
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
+        self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
 
     # ----------------------------------------------------------- admission
     def add_request(
@@ -277,10 +296,18 @@ class EngineCore:
         self._sync()
         stats.verify = time.perf_counter() - t
 
-        results = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch.uniform_rows)
+        accepted = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch.uniform_rows)
+        # Prompts that finished here may start their chain of asynchronous
+        # steps now, from their first tokens on the device (async_decode.py).
+        chain = chain_from_prefill(self, plan, accepted.first_tokens) if accepted.first_tokens is not None else None
+        results = accepted.read()
         if lookup is not None:
             self._count_lookups(decode, lookup, results[2])
-        outputs = self._apply(decode, plan.prefill, results, batch)
+        outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None)
+        if chain is not None:
+            self.num_prefill_chains += 1
+            if not all(r.finished for r in chain.requests):
+                self._inflight = chain
         stats.total = time.perf_counter() - t0
         self.last_step = stats
         return outputs
@@ -290,12 +317,17 @@ class EngineCore:
         """A decode-only step, with the target (TP 1) and the drafter in
         this process, may start a chain of asynchronous steps (a row's
         cut-short block is cut on the device, by its emit budget)."""
-        if not self.config.async_scheduling or self.config.sync_timing or plan.prefill or plan.preempted:
+        if plan.prefill or plan.preempted or not plan.decode:
             return False
-        if not plan.decode:
+        return self.async_capable([d.request for d in plan.decode])
+
+    def async_capable(self, requests: list[Request]) -> bool:
+        """Whether these requests' decode steps may run as step graphs
+        launched ahead of the host (the settings and the workers allow it)."""
+        if not self.config.async_scheduling or self.config.sync_timing:
             return False
         if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
-                not all(d.request.params.greedy for d in plan.decode):
+                not all(r.params.greedy for r in requests):
             return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it
         workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
         return all(getattr(w, "local_model", False) for w in workers)
@@ -484,9 +516,9 @@ class EngineCore:
         logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
 
-    def _accept(self, decode, prefill, logits, logit_rows, drafts, st, uniform_rows: int = 0):
+    def _accept(self, decode, prefill, logits, logit_rows, drafts, st, uniform_rows: int = 0) -> "AcceptedOnDevice":
         """Accepted counts, emitted bonus tokens and first tokens of
-        finished prefills, brought to the host in one transfer."""
+        finished prefills, on their way to the host in one transfer."""
         dev = logits.device
         verify_rows, sample_rows = logit_rows
         parts = []
@@ -515,13 +547,15 @@ class EngineCore:
             zeros = torch.zeros(len(sampling), dtype=torch.long, device=dev)
             first = verify(logits[host_to_device(sample_rows, dev)][:, None], no_drafts, zeros, st)
             parts.append(first.bonus)
-        host = torch.cat([p.reshape(-1).long() for p in parts]).tolist() if parts else []
-        n_acc, bonus = host[:S], host[S : 2 * S]
-        draft_list = host[2 * S : 2 * S + S * G]
-        firsts = host[2 * S + S * G :]
-        return n_acc, bonus, [draft_list[s * G : (s + 1) * G] for s in range(S)], firsts
+        flat = torch.cat([p.reshape(-1).long() for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        # Copied out before anything else is enqueued: the host waits for
+        # this step's results only, not for a chain launched after it.
+        host, ready = self.result_buffers.fetch(flat) if flat.is_cuda else (flat, None)
+        return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None)
 
-    def _apply(self, decode, prefill, results, batch) -> list[RequestOutput]:
+    def _apply(self, decode, prefill, results, batch, chained: bool = False) -> list[RequestOutput]:
+        """``chained``: the prompts' first decode step is in flight
+        (``chain_from_prefill``), their context stored already."""
         n_acc, bonus, drafts, firsts = results
         outputs: list[RequestOutput] = []
         ctx_rows, ctx_pos, ctx_slots = [], [], []
@@ -551,11 +585,13 @@ class EngineCore:
                 ctx_pos.extend(range(p.start, p.end))
                 ctx_slots.extend(r.draft_blocks.slots(p.start, p.end))
             row += p.end - p.start
-            self.scheduler.commit(r, p.end)
+            self.scheduler.commit(r, p.end, keep=p.end + self.block_size if chained else None)
             # A resumed request's re-prefill adds no token: nothing to report.
             if p.is_last_chunk and not r.output_token_ids:
                 self._append(r, [next(first_iter)])
                 outputs.append(self._output(r))
+        if chained:  # stored before the chain's first step was launched
+            return self._forget_finished(outputs)
         if whole:
             self.drafter.store_context(
                 self.target.hidden_rows(None),

@@ -288,3 +288,46 @@ def test_chains_while_a_waiting_request_does_not_fit(models, monkeypatch):
     got = run(eng, ps, params, joins={2: 10})
     assert sum(chained_while_waiting) > 3, chained_while_waiting
     assert [got[k].token_ids for k in "012"] == [want[k].token_ids for k in "012"]
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_chains_start_at_the_prefill(models, drafter):
+    """A prefill that finishes every running prompt launches their first
+    decode step from the first tokens it left on the device
+    (``chain_from_prefill``): the synchronous steps' tokens and acceptance
+    lengths, one request or several at once, greedy or sampled. A request
+    whose first token stops it has the chain's results dropped; one with
+    max_tokens 1 starts no chain."""
+    ps = prompts()
+    greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, **kw)  # noqa: E731
+    first = run(engine(models, drafter, False), ps[:1], [greedy(1)])["0"].token_ids[0]
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(2, 319, (5,), generator=g).tolist()
+    cases = [
+        (ps[:1], [greedy(30, ignore_eos=True)], 1),
+        ([motif * 4, motif[::-1] * 3], [greedy(40, ignore_eos=True)] * 2, 1),  # lookups from the first step
+        (ps[:3], [greedy(25, ignore_eos=True), greedy(12, ignore_eos=True), greedy(30, ignore_eos=True)], 1),
+        (ps[1:3], [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)], 1),
+        (ps[:1], [greedy(30, stop_token_ids=[first], ignore_eos=True)], 1),
+        (ps[:1], [greedy(1, ignore_eos=True)], 0),
+    ]
+    for case, (prompts_, params, chains) in enumerate(cases):
+        sync = run(engine(models, drafter, False), prompts_, params)
+        eng = engine(models, drafter, True)
+        got = run(eng, prompts_, params)
+        assert eng.num_prefill_chains == chains, case
+        for rid in sync:
+            assert got[rid].token_ids == sync[rid].token_ids, (case, rid)
+            assert got[rid].metrics.acceptance_lengths == sync[rid].metrics.acceptance_lengths, (case, rid)
+        if chains and case != 4:
+            assert eng.num_async_steps > 0, case
+    assert len(got["0"].token_ids) == 1
+    # The first token is in the device's copy of the row, after the prompt,
+    # before any chained step: the first step's lookups read it.
+    eng = engine(models, drafter, True)
+    eng.add_request(motif * 4, greedy(40, ignore_eos=True), request_id="m")
+    eng.step()
+    r = eng.requests["m"]
+    if drafter:
+        row = eng._step_buffers["history"][r.history_slot, : r.num_tokens].tolist()
+        assert eng._inflight is not None and row == r.all_token_ids
