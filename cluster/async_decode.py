@@ -95,7 +95,8 @@ class HistorySlots:
 class ResultBuffers:
     """Pinned host buffers that steps' results are copied into, taken in
     turn. A step's results are read before two more steps are launched (one
-    step is in flight while the previous one is applied), so four buffers
+    step is in flight while the previous one is applied; a synchronous
+    step's are read as soon as a chain it starts is launched), so four buffers
     are never overwritten while the host may still read them; taking one
     also waits for the copy into it from four steps before (long done: the
     copy of a step that was dropped unread may still be queued). A fresh
@@ -119,7 +120,7 @@ class ResultBuffers:
         results = buf[: out.numel()].view(out.shape)
         results.copy_(out, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(out.device))  # the copy's stream, whichever device is current
         self._slots[i] = (buf, ready)
         return results, ready
 

@@ -146,7 +146,7 @@ class EngineCore:
         self._step_graphs = {}
         self._step_buffers: dict[str, torch.Tensor] = {}  # inputs the step graphs of every sampling kind share
         self.history_slots = HistorySlots(self.config.max_num_seqs)  # requests' rows of the graphs' token history
-        self.result_buffers = ResultBuffers()  # pinned copies of the async steps' results
+        self.result_buffers = ResultBuffers()  # pinned copies of steps' results
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
