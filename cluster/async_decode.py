@@ -137,7 +137,7 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
     synchronous, by the rules a running chain follows (``_can_chain``)."""
     sched, B = core.scheduler, core.block_size
     requests = [p.request for p in plan.prefill]
-    if plan.decode or plan.preempted or not requests or len(first_tokens) != len(requests):
+    if plan.decode or plan.preempted or not requests:
         return None
     if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
             not core.async_capable(requests):
@@ -153,8 +153,7 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
     if core.drafter is not None:  # the step's rows are the prompts' rows, in order
         positions = [i for p in plan.prefill for i in range(p.start, p.end)]
         slots = [s for p in plan.prefill for s in p.request.draft_blocks.slots(p.start, p.end)]
-        core.drafter.store_context(core.target.hidden_rows(None), torch.tensor(positions, dtype=torch.int64),
-                                   torch.tensor(slots, dtype=torch.int64))
+        core.store_context(None, positions, slots)
     return launch_decode(core, requests, chained=False, first_tokens=first_tokens)
 
 
@@ -208,8 +207,8 @@ def launch_decode(core, requests: list[Request], chained: bool,
         history = graphs.buffers["history"]
         history.index_put_((rows, cols), tokens)
         if after_prefill:  # the first tokens, after the prompts the rows hold now
-            history.index_put_((host_to_device(inputs["slot"], dev), host_to_device(inputs["start"], dev)),
-                               first_tokens.to(history.dtype))
+            rows, cols = host_to_device(torch.stack([inputs["slot"], inputs["start"]]), dev)
+            history.index_put_((rows, cols), first_tokens.to(history.dtype))
     (out,) = graphs.run(len(requests), inputs)
     out = out[: len(requests)]
     if dev.type == "cuda":

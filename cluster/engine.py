@@ -593,20 +593,20 @@ class EngineCore:
         if chained:  # stored before the chain's first step was launched
             return self._forget_finished(outputs)
         if whole:
-            self.drafter.store_context(
-                self.target.hidden_rows(None),
-                torch.tensor(ctx_pos, dtype=torch.int64),
-                torch.tensor(ctx_slots, dtype=torch.int64),
-            )
+            self.store_context(None, ctx_pos, ctx_slots)
         elif ctx_rows:
             # Increasing and distinct: as many as the forward's rows is all of them (a prefill alone).
-            rows = None if len(ctx_rows) == row else torch.tensor(ctx_rows, dtype=torch.int64)
-            self.drafter.store_context(
-                self.target.hidden_rows(rows),
-                torch.tensor(ctx_pos, dtype=torch.int64),
-                torch.tensor(ctx_slots, dtype=torch.int64),
-            )
+            self.store_context(None if len(ctx_rows) == row else ctx_rows, ctx_pos, ctx_slots)
         return self._forget_finished(outputs)
+
+    def store_context(self, rows: list[int] | None, positions: list[int], slots: list[int]) -> None:
+        """The drafter's context of the last forward's tapped ``rows`` (all
+        of them for None) at ``positions``, into its cache ``slots``."""
+        self.drafter.store_context(
+            self.target.hidden_rows(None if rows is None else torch.tensor(rows, dtype=torch.int64)),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64),
+        )
 
     def _append(self, r: Request, tokens: list[int]) -> int:
         """Append emitted tokens one by one, stopping at the first stop
