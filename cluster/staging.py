@@ -46,9 +46,9 @@ class PinnedRing:
             n = t.numel() * t.element_size()
             if n == 0:
                 return t
-            if n > self.nbytes // 4:
-                return t.pin_memory()  # rare: too big to share the ring
-            start = self._alloc(n)
+            start = self._alloc(n, regions) if n <= self.nbytes // 4 else None
+            if start is None:  # rare: too big to share the ring, or the session has filled it
+                return t.pin_memory()
             view = self._buf[start : start + n].view(t.dtype).view(t.shape)
             view.copy_(t)
             regions.append((start, start + n))
@@ -63,13 +63,17 @@ class PinnedRing:
                     done.record(torch.cuda.current_stream(device))
                     self._busy.extend((a, b, done) for a, b in regions)
 
-    def _alloc(self, n: int) -> int:
+    def _alloc(self, n: int, session: list[tuple[int, int]]) -> int | None:
+        """The start of ``n`` bytes no queued copy still reads, or None where
+        they would overlap the ``session``'s own regions (their copies may
+        not be enqueued yet, so nothing could be waited for)."""
         if self._buf is None:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         n = -(-n // _ALIGN) * _ALIGN
-        if self._pos + n > self.nbytes:
-            self._pos = 0
-        start, end = self._pos, self._pos + n
+        start = 0 if self._pos + n > self.nbytes else self._pos
+        end = start + n
+        if any(a < end and start < b for a, b in session):
+            return None
         busy = self._busy
         while busy and busy[0][2].query():  # copies run in order: drop the finished ones
             busy.popleft()

@@ -29,6 +29,21 @@ def test_gpu_ring_wraps_without_overwriting_queued_copies():
         assert torch.equal(out.cpu(), want)
 
 
+def test_gpu_one_session_larger_than_the_ring_keeps_every_tensor():
+    """Tensors staged first and copied at the session's end: where the
+    session would wrap onto its own regions it pins a fresh buffer instead."""
+    ring = PinnedRing(nbytes=4096)
+    dev = torch.device("cuda")
+    wants = [torch.full((128,), i, dtype=torch.int64) for i in range(8)]  # 8 x 1 KB through 4 KB
+    torch.cuda._sleep(BUSY_CYCLES)
+    with ring.session(dev) as stage:
+        staged = [stage(w) for w in wants]
+        outs = [t.to(dev, non_blocking=True) for t in staged]
+    torch.cuda.synchronize()
+    for out, want in zip(outs, wants):
+        assert torch.equal(out.cpu(), want)
+
+
 def test_gpu_host_to_device_keeps_dtype_shape_and_values():
     torch.cuda._sleep(BUSY_CYCLES)
     g = torch.Generator().manual_seed(0)
