@@ -4,7 +4,7 @@ entry point (``specray batch ...`` or ``python deploy/ray/batch_job.py ...``).
 Input: one record per JSONL line (or Parquet row) with an ``id`` and either a
 ``prompt`` string or OpenAI-style ``messages`` (rendered with the target's
 chat template), plus optional per-row ``max_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``seed`` and ``stop`` overriding the command-line
+``top_p``, ``top_k``, ``seed``, ``stop`` and ``min_tokens`` overriding the command-line
 defaults. Output, in the input's format: one row per input id with ``id``,
 ``text``, ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` and
 ``mean_acceptance_length``. Rows that cannot run go to ``OUTPUT.errors.jsonl``

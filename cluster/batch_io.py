@@ -40,8 +40,8 @@ import math
 import os
 from pathlib import Path
 
-PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-INT_FIELDS = ("max_tokens", "top_k", "seed")
+PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_tokens")
+INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
 OUTPUT_FIELDS = ("id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "mean_acceptance_length")
 JSONL_EXTS = (".jsonl", ".ndjson", ".json")
 PARQUET_EXTS = (".parquet", ".pq")

@@ -293,6 +293,7 @@ class EngineCore:
         self._sync()
         t = time.perf_counter()
         logits = self.target.execute(batch)
+        self._mask_early_stops(decode, plan.prefill, logits, logit_rows, batch.uniform_rows)
         self._sync()
         stats.verify = time.perf_counter() - t
 
@@ -326,6 +327,8 @@ class EngineCore:
         launched ahead of the host (the settings and the workers allow it)."""
         if not self.config.async_scheduling or self.config.sync_timing:
             return False
+        if any(r.min_tokens_left for r in requests):
+            return False  # the stop-token mask of min_tokens is applied in synchronous steps
         if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
                 not all(r.params.greedy for r in requests):
             return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it
@@ -516,6 +519,34 @@ class EngineCore:
         logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
 
+    def _mask_early_stops(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> None:
+        """Stop tokens get no probability (logit -inf) in the rows that
+        predict a request's output tokens before its ``min_tokens``; the
+        verification then accepts, and samples, what an autoregressive step
+        under the same mask would."""
+        vocab = logits.shape[-1]
+        verify_rows, sample_rows = logit_rows
+        rows, cols = [], []
+
+        def mask(row: int, r: Request) -> None:
+            stops = [t for t in sorted(r.stop_token_ids) if 0 <= t < vocab]
+            rows.extend([row] * len(stops))
+            cols.extend(stops)
+
+        for s, d in enumerate(decode):
+            # Verify row j predicts output token len(output) + j.
+            for j in range(min(d.request.min_tokens_left, d.block_len)):
+                mask(s * uniform_rows + j if uniform_rows else int(verify_rows[s, j]), d.request)
+        firsts = [p.request for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
+        for k, r in enumerate(firsts):
+            if r.min_tokens_left:
+                mask(int(sample_rows[k]), r)
+        if rows:
+            rows_cols = host_to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
+            with torch.inference_mode():  # the workers' outputs are inference tensors
+                logits.index_put_((rows_cols[0], rows_cols[1]),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
     def _accept(self, decode, prefill, logits, logit_rows, drafts, st, uniform_rows: int = 0) -> "AcceptedOnDevice":
         """Accepted counts, emitted bonus tokens and first tokens of
         finished prefills, on their way to the host in one transfer."""
@@ -620,15 +651,20 @@ class EngineCore:
                 r.metrics.first_token_time = time.monotonic()
             # A stop token's text stays out of the output, as in vLLM (the
             # token still counts in token_ids and usage).
+            # Before min_tokens a stop token is text like any other (the
+            # verification masks stop tokens there, so none is emitted) and
+            # stop strings are not looked for (vLLM's rule).
+            stopping = tok in stops and len(r.output_token_ids) > r.params.min_tokens
             new_text = ""
-            if tok not in stops:
+            if not stopping:
                 with self.tokenizer_lock:
                     new_text = detokenize_step(self.tokenizer, r)
                 r.text += new_text
             reason = None
-            if tok in stops:
+            if stopping:
                 reason, r.stop_reason = "stop", tok
-            elif new_text and r.params.stop and (hit := find_stop_string(r, len(new_text))):
+            elif new_text and r.params.stop and len(r.output_token_ids) >= r.params.min_tokens and \
+                    (hit := find_stop_string(r, len(new_text))):
                 r.text = r.text[: hit[0]]
                 reason, r.stop_reason = "stop", hit[1]
             elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:

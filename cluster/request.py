@@ -134,6 +134,11 @@ class Request:
             ids.update(self.eos_token_ids)
         return ids
 
+    @property
+    def min_tokens_left(self) -> int:
+        """Tokens still to generate before a stop may end the request."""
+        return max(0, self.params.min_tokens - len(self.output_token_ids))
+
 
 class PromptTooLong(ValueError):
     """A prompt that leaves no room to generate within max_model_len (the

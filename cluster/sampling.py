@@ -52,6 +52,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Tokens generated before a stop token (EOS, stop_token_ids) or a stop
+    # string may end the request; vLLM's rule: until then stop tokens get no
+    # probability.
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -90,6 +94,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
+                             f"got {_short(self.min_tokens)}")
 
     @property
     def greedy(self) -> bool:

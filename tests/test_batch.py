@@ -202,6 +202,8 @@ def test_validate_record():
     assert validate_record({"id": "a"}, d)[1] == "missing prompt or messages"
     assert "either prompt or messages" in validate_record({"id": "a", "prompt": "x", "messages": []}, d)[1]
     assert "top_p" in validate_record({"id": "a", "prompt": "x", "top_p": 0}, d)[1]
+    assert validate_record({"id": "a", "prompt": "x", "min_tokens": 5.0}, d)[0]["params"]["min_tokens"] == 5
+    assert "min_tokens" in validate_record({"id": "a", "prompt": "x", "min_tokens": 9}, d)[1]  # > max_tokens 8
     assert "content" in validate_record({"id": "a", "messages": [{"role": "user"}]}, d)[1]
     assert "id must be" in validate_record({"id": True, "prompt": "x"}, d)[1]
     # Parquet written by pandas holds nullable int ids as floats

@@ -311,6 +311,33 @@ def test_stop_token_text_is_left_out(server):
     assert "".join(c.choices[0].text for c in client.completions.create(**kw, **stop, stream=True)) == before
 
 
+def test_min_tokens_over_http_and_grpc(server):
+    """vLLM's min_tokens: a stop token the free output emits at k ends it
+    there without min_tokens, and not before min_tokens = k + 3 with it
+    (it is masked until then, so it is not in those tokens); gRPC gives
+    HTTP's tokens; min_tokens above max_tokens is a 400 naming it."""
+    client = server.client()
+    kw = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=16)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = free.choices[0].model_extra["token_ids"]
+    k, stop = 2, ids[2]
+    body = {"stop_token_ids": [stop], "ignore_eos": True, "return_token_ids": True}
+    early = client.completions.create(**kw, extra_body=body).choices[0]
+    assert early.finish_reason == "stop" and len(early.model_extra["token_ids"]) <= k + 1
+    held = client.completions.create(**kw, extra_body=body | {"min_tokens": k + 3}).choices[0]
+    got = held.model_extra["token_ids"]
+    assert len(got) > k + 3 or held.finish_reason == "length"
+    assert stop not in got[: k + 3] and (held.finish_reason == "length" or got.index(stop) == len(got) - 1)
+    channel, stub = _grpc_stub(server)
+    with channel:
+        msgs = list(stub.Generate(pb.GenerateRequest(model=MODEL, prompt=kw["prompt"], params=pb.SamplingParams(
+            max_tokens=16, temperature=0, stop_token_ids=[stop], ignore_eos=True, min_tokens=k + 3)),
+            metadata=[("authorization", f"Bearer {API_KEY}")]))
+    assert sum((list(m.token_ids) for m in msgs), []) == got and msgs[-1].finish_reason == held.finish_reason
+    status, _, err = server.request("POST", "/v1/completions", {**kw, "min_tokens": 17})
+    assert status == 400 and err["error"]["param"] == "min_tokens", err
+
+
 def test_chat_text_parts_join_with_newlines(server):
     """vLLM joins a message's text parts with "\\n"; they were run together."""
     def prompt_ids(content):

@@ -541,7 +541,8 @@ class SpecRayServer:
                 top_p=p.top_p if p.HasField("top_p") else 1.0,
                 top_k=p.top_k if p.HasField("top_k") else 0,
                 seed=p.seed if p.HasField("seed") else None,
-                stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+                stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                min_tokens=p.min_tokens)
         except ValueError as e:
             raise P.sampling_error(e) from None
         return prompt, params

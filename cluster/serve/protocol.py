@@ -5,7 +5,7 @@ Only the fields specray implements are accepted. Fields OpenAI defines but
 specray does not implement get a 400 that names them (``n`` > 1,
 ``logprobs``, ``tools``, ...); unknown fields get OpenAI's own
 "Unrecognized request argument" 400. Extensions (vLLM's names): ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
+``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def sampling_error(e: ValueError) -> APIError:
     msg = str(e)
     first = msg.split(" ", 1)[0]
     param = first if first in {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                               "stop_token_ids"} else None
+                               "stop_token_ids", "min_tokens"} else None
     return bad_request(msg, param, "invalid_value")
 
 
@@ -149,6 +149,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = Field(None, ge=0)
     return_token_ids: bool = False
     # OpenAI fields accepted only at their neutral value (checked below)
     n: int | None = None
@@ -191,6 +192,7 @@ class _Common(BaseModel):
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens or 0,
             )
         except ValueError as e:
             raise sampling_error(e) from None
