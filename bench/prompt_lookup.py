@@ -22,7 +22,8 @@ from specray.cli import add_model_args, resolve_models
 
 def run(target, drafter, args, rows, lo: int, hi: int) -> tuple[dict, list]:
     llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              prompt_lookup_min=lo, prompt_lookup_max=max(hi, lo), prompt_lookup_sampled=True)
+              prompt_lookup_min=lo, prompt_lookup_max=max(hi, lo), prompt_lookup_sampled=True,
+              prompt_lookup_agree=args.agree)
     t = time.perf_counter()
     params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.max_tokens)
               for i in range(len(rows))]
@@ -53,6 +54,9 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--settings", nargs="+", default=["2,4"], help="min,max n-gram lengths to try")
+    p.add_argument("--agree", action="store_true",
+                   help="a greedy row takes its lookup only where it opens with the drafter's first draft "
+                        "(the async engine's default rule)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     target, drafter = resolve_models(args)
@@ -64,7 +68,8 @@ def main(argv=None) -> dict:
     base, base_tokens = run(target, drafter, args, rows, 0, 0)
     print(f"drafter alone: mean acceptance length {base['mean_acceptance_length']} {base['by_category']}")
     report = {"target": target, "drafter": drafter, "prompts": args.prompts, "n": len(rows), "device": args.device,
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "drafter_alone": base, "with_lookup": []}
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "agree": args.agree,
+              "drafter_alone": base, "with_lookup": []}
     for setting in args.settings:
         lo, hi = (int(x) for x in setting.split(","))
         r, tokens = run(target, drafter, args, rows, lo, hi)
