@@ -87,10 +87,18 @@ def test_three_way_tensor_parallel_group(cluster, tmp_path):
     make_models(tmp_path, arch="llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
                 intermediate_size=192, head_dim=16, vocab_size=321)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(tmp_path / "t", tmp_path / "d").generate(PROMPTS, params)]
+    local = LLM(tmp_path / "t", tmp_path / "d")
+    want = [o.token_ids for o in local.generate(PROMPTS, params)]
+    # min_tokens: each prompt's third free token is a stop token, masked
+    # (on the driver rank's gathered logits) for the first eight.
+    held = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[w[2]], min_tokens=8)
+            for w in want]
+    want_held = [o.token_ids for o in local.generate(PROMPTS, held)]
+    assert all(len(h) > 8 and w[2] not in h[:8] and h != w for h, w in zip(want_held, want))
     llm = LLM(tmp_path / "t", tmp_path / "d", backend="ray", tensor_parallel_size=3, drafter_placement="separate")
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        assert [o.token_ids for o in llm.generate(PROMPTS, held)] == want_held
     finally:
         llm.shutdown()
 
