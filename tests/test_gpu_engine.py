@@ -177,3 +177,22 @@ def test_gpu_prefill_graphs_match_cpu(ckpt):
         lengths.append(got.metrics.acceptance_lengths)
     assert drafter_accepted(lengths)
     assert len(used) >= len(PROMPTS) and max(used) == 128
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_gpu_min_tokens_matches_cpu(ckpt, async_):
+    """min_tokens on the GPU (the stop-token mask on a graphed step's
+    logits, a prefill graph's first-token row, then async chains past it):
+    the CPU's fp32 tokens, speculative and autoregressive; each prompt's
+    third free token is a stop token, masked for the first twelve."""
+    free = generate(ckpt, False, "cpu", "float32", SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    held = [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop_token_ids=[f[2], f[0]], min_tokens=12)
+            for f in free]
+    llm = LLM(ckpt / "t", ckpt / "d", device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=512)
+    want = [o.token_ids for o in llm.generate(PROMPTS, held)]
+    assert all(len(w) > 12 and not {f[0], f[2]} & set(w[:12]) and w != f for w, f in zip(want, free))
+    for drafter in (True, False):
+        got = [o.token_ids for o in LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda",
+                                        dtype="float32", num_kv_blocks=512, max_model_len=512, cuda_graphs=True,
+                                        async_scheduling=async_).generate(PROMPTS, held)]
+        assert got == want, drafter
