@@ -145,7 +145,7 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
     for p in plan.prefill:
         r = p.request
         # Its first token must leave it a token to emit, and its next block room.
-        if not p.is_last_chunk or r.output_token_ids or sched.emit_budget(r) < 2 or \
+        if not p.samples_first_token or sched.emit_budget(r) < 2 or \
                 r.num_tokens + 2 * B > core.max_model_len:
             return None
     if not all(sched.reserve(r, r.num_tokens + B) for r in requests):

@@ -495,7 +495,7 @@ class EngineCore:
             slots.extend(r.target_blocks.slots(p.start, p.end))
             seq_lens.append(p.end)
             tables.append(r.target_blocks.blocks)
-            if p.is_last_chunk and not r.output_token_ids:
+            if p.samples_first_token:
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(len(ids) - 1)
             starts.append(len(ids))
@@ -528,19 +528,20 @@ class EngineCore:
         verify_rows, sample_rows = logit_rows
         rows, cols = [], []
 
-        def mask(row: int, r: Request) -> None:
+        def mask(masked_rows: list[int], r: Request) -> None:
             stops = [t for t in sorted(r.stop_token_ids) if 0 <= t < vocab]
-            rows.extend([row] * len(stops))
-            cols.extend(stops)
+            for row in masked_rows:
+                rows.extend([row] * len(stops))
+                cols.extend(stops)
 
         for s, d in enumerate(decode):
             # Verify row j predicts output token len(output) + j.
-            for j in range(min(d.request.min_tokens_left, d.block_len)):
-                mask(s * uniform_rows + j if uniform_rows else int(verify_rows[s, j]), d.request)
-        firsts = [p.request for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
+            if early := range(min(d.request.min_tokens_left, d.block_len)):
+                mask([s * uniform_rows + j if uniform_rows else int(verify_rows[s, j]) for j in early], d.request)
+        firsts = [p.request for p in prefill if p.samples_first_token]
         for k, r in enumerate(firsts):
             if r.min_tokens_left:
-                mask(int(sample_rows[k]), r)
+                mask([int(sample_rows[k])], r)
         if rows:
             rows_cols = host_to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
             with torch.inference_mode():  # the workers' outputs are inference tensors
@@ -569,7 +570,7 @@ class EngineCore:
                 target_logits = logits[host_to_device(verify_rows, dev)]
             res = verify(target_logits, draft_tokens, num_drafts, st, idx, q)
             parts += [res.num_accepted, res.bonus, draft_tokens.reshape(-1)]
-        sampling = [p for p in prefill if p.is_last_chunk and not p.request.output_token_ids]
+        sampling = [p for p in prefill if p.samples_first_token]
         if sampling:
             ps = [p.request.params for p in sampling]
             st = SamplingTensors.build(ps, [p.request.seed for p in sampling], [p.end - 1 for p in sampling], 1, dev,
@@ -618,7 +619,7 @@ class EngineCore:
             row += p.end - p.start
             self.scheduler.commit(r, p.end, keep=p.end + self.block_size if chained else None)
             # A resumed request's re-prefill adds no token: nothing to report.
-            if p.is_last_chunk and not r.output_token_ids:
+            if p.samples_first_token:
                 self._append(r, [next(first_iter)])
                 outputs.append(self._output(r))
         if chained:  # stored before the chain's first step was launched

@@ -34,6 +34,12 @@ class PrefillItem:
     def is_last_chunk(self) -> bool:
         return self.end == self.request.prefill_len
 
+    @property
+    def samples_first_token(self) -> bool:
+        """The last chunk of a prompt with no output yet: its last row gives
+        the request's first token (a resumed request's re-prefill gives none)."""
+        return self.is_last_chunk and not self.request.output_token_ids
+
 
 @dataclass
 class StepPlan:
