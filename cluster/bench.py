@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=temp, seed=args.seed))
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
-               "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": args.prompt_lookup_min,
+               "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": spec.config.prompt_lookup_min,
                "prompt_lookup_agree": spec.config.prompt_lookup_agree,
                "num_speculative_tokens": block - 1,
                "max_tokens": args.max_tokens, "block_size": block, "top_p": args.top_p, "by_temperature": {}}

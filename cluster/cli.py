@@ -21,9 +21,10 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
     p.add_argument("--num-speculative-tokens", type=int,
                    help="drafts per step (default: the drafter's block size - 1; fewer: it drafts a shorter block)")
     if prompt_lookup:
-        p.add_argument("--prompt-lookup-min", type=int, default=2,
+        p.add_argument("--prompt-lookup-min", type=int,
                        help="draft from the request's own earlier text when its last N+ tokens occurred before "
-                            "(shortest match; 0: drafter only)")
+                            "(shortest match; 0: drafter only; default: 1 when lookups must agree with the "
+                            "drafter, else 2)")
         p.add_argument("--prompt-lookup-agree", action=argparse.BooleanOptionalAction, default=None,
                        help="take a greedy request's lookup draft only where it opens with the drafter's first "
                             "draft token (the drafter then runs every step; default: on with --async-scheduling)")
@@ -32,10 +33,8 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
 def lookup_args(args) -> dict:
     """The engine settings of the prompt-lookup flags (a flag left out keeps
     the engine's default)."""
-    kw = {"prompt_lookup_min": args.prompt_lookup_min}
-    if getattr(args, "prompt_lookup_agree", None) is not None:
-        kw["prompt_lookup_agree"] = args.prompt_lookup_agree
-    return kw
+    return {name: getattr(args, name) for name in ("prompt_lookup_min", "prompt_lookup_agree")
+            if getattr(args, name, None) is not None}
 
 
 def resolve_models(args) -> tuple[str, str | None]:

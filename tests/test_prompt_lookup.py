@@ -275,3 +275,20 @@ def test_offline_policy_replay_matches_serving(ckpt, tmp_path):
     assert pol["oracle: any"]["mean_acceptance_length"] >= max(
         v["mean_acceptance_length"] for k, v in pol.items() if not k.startswith("oracle"))
     assert set(report["teacher_forced_all_anchors"]) == {"one pass", "second pass shown 1"}
+
+
+def test_lookup_minimum_defaults_to_one_only_where_lookups_must_agree():
+    """A one-token suffix is a weak cue unless the drafter vets it: the
+    default minimum is 1 under agreeing lookups (the async default) and 2
+    where a lookup replaces the drafter; an explicit value wins."""
+    from specray.config import ConfigError, EngineConfig
+
+    assert EngineConfig(target="t").prompt_lookup_min == 2
+    assert EngineConfig(target="t", prompt_lookup_agree=True).prompt_lookup_min == 1
+    assert EngineConfig(target="t", cuda_graphs=True, async_scheduling=True).prompt_lookup_min == 1
+    assert EngineConfig(target="t", cuda_graphs=True, async_scheduling=True,
+                        prompt_lookup_agree=False).prompt_lookup_min == 2
+    assert EngineConfig(target="t", prompt_lookup_agree=True, prompt_lookup_min=3).prompt_lookup_min == 3
+    assert EngineConfig(target="t", prompt_lookup_min=0).prompt_lookup_min == 0
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        EngineConfig(target="t", prompt_lookup_min=-1)
