@@ -38,6 +38,7 @@ from specray.detokenizer import (
     max_prompt_chars,
     stop_holdback,
 )
+from specray.logprobs import LogprobRows
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.request import Request, RequestOutput, check_prompt_length
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
@@ -293,6 +294,7 @@ class EngineCore:
         self._sync()
         t = time.perf_counter()
         logits = self.target.execute(batch)
+        logprob_rows = self._logprob_rows(decode, plan.prefill, logits, logit_rows, batch.uniform_rows)
         self._mask_early_stops(decode, plan.prefill, logits, logit_rows, batch.uniform_rows)
         self._sync()
         stats.verify = time.perf_counter() - t
@@ -304,7 +306,8 @@ class EngineCore:
         results = accepted.read()
         if lookup is not None:
             self._count_lookups(decode, lookup, results[2])
-        outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None)
+        logprobs = self._read_logprobs(logprob_rows, decode, plan.prefill, results) if logprob_rows else {}
+        outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None, logprobs=logprobs)
         if chain is not None:
             self.num_prefill_chains += 1
             if not all(r.finished for r in chain.requests):
@@ -327,8 +330,8 @@ class EngineCore:
         launched ahead of the host (the settings and the workers allow it)."""
         if not self.config.async_scheduling or self.config.sync_timing:
             return False
-        if any(r.min_tokens_left for r in requests):
-            return False  # the stop-token mask of min_tokens is applied in synchronous steps
+        if any(r.min_tokens_left or r.params.logprobs is not None for r in requests):
+            return False  # the stop-token mask of min_tokens and log probabilities are synchronous steps' work
         if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
                 not all(r.params.greedy for r in requests):
             return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it
@@ -385,12 +388,12 @@ class EngineCore:
         return self._forget_finished(outputs)
 
     def _emit(self, r: Request, drafts: list[int], a: int, bonus: int, num_drafts: int,
-              keep_ahead: int = 0) -> RequestOutput:
+              keep_ahead: int = 0, logprobs: list | None = None) -> RequestOutput:
         """A decode row's result: its first ``a`` drafts and the bonus token
         are appended (up to a stop), the step recorded, and the request's
         blocks rolled back past what was accepted (keeping ``keep_ahead``
         more positions for a step in flight)."""
-        produced = self._append(r, drafts[:a] + [bonus])
+        produced = self._append(r, drafts[:a] + [bonus], logprobs)
         r.metrics.record_step(num_drafts, min(a, produced), produced)
         if not r.finished:
             computed = r.num_computed + a + 1
@@ -548,6 +551,32 @@ class EngineCore:
                 logits.index_put_((rows_cols[0], rows_cols[1]),
                                   torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
+    def _logprob_rows(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> LogprobRows | None:
+        """The log-softmax rows of the requests that asked for log
+        probabilities, taken before the min_tokens mask (raw logprobs)."""
+        verify_rows, sample_rows = logit_rows
+        wanted = []
+        for s, d in enumerate(decode):
+            if d.request.params.logprobs is not None:
+                wanted.append((d.request, [s * uniform_rows + j for j in range(d.block_len)] if uniform_rows
+                               else verify_rows[s, : d.block_len].tolist()))
+        for k, r in enumerate(p.request for p in prefill if p.samples_first_token):
+            if r.params.logprobs is not None:
+                wanted.append((r, [int(sample_rows[k])]))
+        return LogprobRows.take(logits, wanted)
+
+    @staticmethod
+    def _read_logprobs(rows: LogprobRows, decode, prefill, results) -> dict:
+        """The entries of the tokens each asking request emitted this step
+        (a decode row's accepted drafts and bonus; a prompt's first token)."""
+        n_acc, bonus, drafts, firsts = results
+        emitted = {}
+        for s, d in enumerate(decode):
+            emitted[d.request.request_id] = drafts[s][: n_acc[s]] + [bonus[s]]
+        for p, first in zip((p for p in prefill if p.samples_first_token), firsts):
+            emitted[p.request.request_id] = [first]
+        return rows.read([emitted[r.request_id] for r in rows.requests])
+
     def _accept(self, decode, prefill, logits, logit_rows, drafts, st, uniform_rows: int = 0) -> "AcceptedOnDevice":
         """Accepted counts, emitted bonus tokens and first tokens of
         finished prefills, on their way to the host in one transfer."""
@@ -585,9 +614,12 @@ class EngineCore:
         host, ready = self.result_buffers.fetch(flat) if flat.is_cuda else (flat, None)
         return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None)
 
-    def _apply(self, decode, prefill, results, batch, chained: bool = False) -> list[RequestOutput]:
+    def _apply(self, decode, prefill, results, batch, chained: bool = False,
+               logprobs: dict | None = None) -> list[RequestOutput]:
         """``chained``: the prompts' first decode step is in flight
-        (``chain_from_prefill``), their context stored already."""
+        (``chain_from_prefill``), their context stored already.
+        ``logprobs``: the emitted tokens' entries of the requests that asked."""
+        logprobs = logprobs or {}
         n_acc, bonus, drafts, firsts = results
         outputs: list[RequestOutput] = []
         ctx_rows, ctx_pos, ctx_slots = [], [], []
@@ -599,7 +631,8 @@ class EngineCore:
         for s, d in enumerate(decode):
             r = d.request
             a, start = n_acc[s], r.num_computed
-            outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1))
+            outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1,
+                                      logprobs=logprobs.get(r.request_id)))
             kept = 0 if r.finished else a + 1
             if self.drafter is not None:
                 ctx_rows.extend(range(row, row + kept))
@@ -620,7 +653,7 @@ class EngineCore:
             self.scheduler.commit(r, p.end, keep=p.end + self.block_size if chained else None)
             # A resumed request's re-prefill adds no token: nothing to report.
             if p.samples_first_token:
-                self._append(r, [next(first_iter)])
+                self._append(r, [next(first_iter)], logprobs.get(r.request_id))
                 outputs.append(self._output(r))
         if chained:  # stored before the chain's first step was launched
             return self._forget_finished(outputs)
@@ -640,13 +673,15 @@ class EngineCore:
             torch.tensor(slots, dtype=torch.int64),
         )
 
-    def _append(self, r: Request, tokens: list[int]) -> int:
-        """Append emitted tokens one by one, stopping at the first stop
-        condition; returns how many were kept."""
+    def _append(self, r: Request, tokens: list[int], logprobs: list | None = None) -> int:
+        """Append emitted tokens (and their ``logprobs`` entries) one by one,
+        stopping at the first stop condition; returns how many were kept."""
         stops = r.stop_token_ids
         kept = 0
         for tok in tokens:
             r.output_token_ids.append(tok)
+            if logprobs is not None:
+                r.logprobs.append(logprobs[kept])
             kept += 1
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = time.monotonic()
@@ -694,4 +729,5 @@ class EngineCore:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             stop_reason=r.stop_reason,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
         )

@@ -54,6 +54,16 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprobs:
+    """One generated token's log probability under the target, and the
+    ``SamplingParams.logprobs`` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log probability), most likely first
+
+
+@dataclass
 class RequestOutput:
     """Everything generated so far for one request; ``delta_*`` holds what
     is new since the previous output of the same request."""
@@ -70,6 +80,9 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string hit
     error: str | None = None  # finish_reason "error": the failed step's traceback
+    # One entry per token of ``token_ids`` where ``SamplingParams.logprobs``
+    # asked for them (the new ones are the last ``len(delta_token_ids)``).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -90,6 +103,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     lookup_index: NgramIndex | None = None  # prompt-lookup drafts (prompt_lookup.py), built on first use
     # Its row of the async step graphs' token history, and how many of its
     # tokens that row holds for sure (async_decode.HistorySlots).

@@ -37,6 +37,8 @@ STREAM_TOKEN = 3  # target samples an emitted token (bonus, residual, AR)
 
 _M32 = 0xFFFFFFFF
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily
+# Most alternatives a token reports (vLLM's default max_logprobs; OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -56,6 +58,10 @@ class SamplingParams:
     # string may end the request; vLLM's rule: until then stop tokens get no
     # probability.
     min_tokens: int = 0
+    # Log probabilities of each generated token under the target (vLLM's
+    # raw logprobs: before temperature, top-k / top-p and the min_tokens
+    # mask), with this many most likely alternatives; None: none.
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -98,6 +104,10 @@ class SamplingParams:
                 not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
                              f"got {_short(self.min_tokens)}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (or unset), "
+                             f"got {_short(self.logprobs)}")
 
     @property
     def greedy(self) -> bool:
