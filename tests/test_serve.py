@@ -353,8 +353,8 @@ def test_chat_text_parts_join_with_newlines(server):
 
 def test_openai_nulls_and_logprobs_zero(server):
     """OpenAI's schema allows null for stream and echo (vLLM accepts it);
-    logprobs=0 asks for the sampled tokens' log probabilities, which are
-    not returned, so it is refused rather than answered with null."""
+    logprobs=0 asks for the sampled tokens' own log probabilities (once
+    refused, before specray returned them)."""
     for field in ("stream", "echo"):
         status, _, body = server.request("POST", "/v1/completions", {
             "model": MODEL, "prompt": "Hello", "max_tokens": 2, field: None})
@@ -363,15 +363,68 @@ def test_openai_nulls_and_logprobs_zero(server):
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": None})
     assert status == 200 and body["object"] == "chat.completion", body
     status, _, body = server.request("POST", "/v1/completions", {
-        "model": MODEL, "prompt": "Hello", "max_tokens": 2, "logprobs": 0})
-    assert status == 400 and body["error"]["param"] == "logprobs", body
+        "model": MODEL, "prompt": "Hello", "max_tokens": 2, "logprobs": 0, "ignore_eos": True})
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 2 and all(x <= 0 for x in lp["token_logprobs"])
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]  # the sampled token alone
+
+
+def test_logprobs_over_http(server):
+    """Chat (logprobs + top_logprobs) and completions (logprobs=k): an
+    entry per generated token, the in-process engine's figures, the
+    alternatives most likely first, streams that add up to the whole
+    answer (text offsets running on across chunks); the openai client
+    parses them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.root / MODEL)
+    client = server.client()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    ids = full.choices[0].model_extra["token_ids"]
+    assert len(content) == len(ids) == 10
+    prompt = full.model_extra["prompt_token_ids"]
+    want = LLM(server.root / MODEL, server.root / "drafter").generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3))[0]
+    assert want.token_ids == ids
+    for e, w in zip(content, want.logprobs):
+        assert e.token == tok.decode([w.token_id]) and e.bytes == list(e.token.encode())
+        assert e.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx([v for _, v in w.top], abs=1e-4)
+        assert [t.token for t in e.top_logprobs] == [tok.decode([t]) for t, _ in w.top]
+        assert e.top_logprobs[0].token == e.token  # greedy: the most likely token is the one taken
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    no_lp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert no_lp.choices[0].logprobs is None
+
+    ckw = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2,
+               extra_body={"ignore_eos": True})
+    comp = client.completions.create(**ckw).choices[0]
+    lp = comp.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 8
+    # (the text holds back a trailing piece of a multi-byte character; the tokens show it as U+FFFD)
+    assert "".join(lp.tokens).startswith(comp.text) and len("".join(lp.tokens)) - len(comp.text) <= 1
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) in (2, 3) and top[t] == v and max(top.values()) == v
+    parts = list(client.completions.create(**ckw, stream=True))
+    joined = {k: [x for c in parts if c.choices[0].logprobs for x in getattr(c.choices[0].logprobs, k)]
+              for k in ("tokens", "token_logprobs", "text_offset", "top_logprobs")}
+    assert joined == {k: getattr(lp, k) for k in joined}
 
 
 def test_invalid_parameters(server):
     client = server.client()
     msgs = [{"role": "user", "content": "hi"}]
     bad = [
-        dict(temperature=5), dict(n=2), dict(logprobs=True), dict(max_tokens=0), dict(top_p=0),
+        dict(temperature=5), dict(n=2), dict(top_logprobs=3), dict(top_logprobs=21, logprobs=True),
+        dict(max_tokens=0), dict(top_p=0),
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         dict(extra_body={"top_k": -3}), dict(extra_body={"best_of": 2}), dict(extra_body={"no_such_field": 1}),
         dict(response_format={"type": "json_object"}), dict(presence_penalty=1.0),
@@ -508,11 +561,25 @@ def test_grpc_streams_the_same_tokens_as_http(server):
         req = pb.GenerateRequest(params=pb.SamplingParams(max_tokens=10, temperature=0))
         req.messages.messages.add(role="user", content=q)
         assert "".join(m.text for m in stub.Generate(req, metadata=md)) == http.choices[0].message.content
+        # log probabilities: HTTP's figures, an entry per token id of each message
+        http = server.client().completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                                                  logprobs=2, extra_body={"ignore_eos": True})
+        msgs = list(stub.Generate(pb.GenerateRequest(prompt="Hello world", params=pb.SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)), metadata=md))
+        assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
+        entries = [e for m in msgs for e in m.logprobs]
+        assert [e.logprob for e in entries] == pytest.approx(http.choices[0].logprobs.token_logprobs, abs=1e-5)
+        assert all(len(e.top) == 2 and e.top[0].token_id == e.token_id for e in entries)
+        plain = list(stub.Generate(pb.GenerateRequest(prompt="Hello world", params=pb.SamplingParams(max_tokens=3)),
+                                   metadata=md))
+        assert not any(m.logprobs for m in plain)
         # errors map to gRPC codes
         for metadata, request, code in [
             ([("authorization", "Bearer nope")], pb.GenerateRequest(prompt="x"), grpc.StatusCode.UNAUTHENTICATED),
             ([], pb.GenerateRequest(prompt="x"), grpc.StatusCode.UNAUTHENTICATED),
             (md, pb.GenerateRequest(prompt="x", params=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
+            (md, pb.GenerateRequest(prompt="x", params=pb.SamplingParams(logprobs=21)),
+             grpc.StatusCode.INVALID_ARGUMENT),
             (md, pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
             (md, pb.GenerateRequest(model="nope", prompt="x"), grpc.StatusCode.NOT_FOUND),
         ]:

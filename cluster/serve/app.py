@@ -415,8 +415,9 @@ class SpecRayServer:
         from specray.serve.metrics import RequestTracker
 
         tracker = RequestTracker(self.metrics, start)
+        logprobs = P.LogprobWriter(self.tokenizer, kind == "chat") if params.logprobs is not None else None
         if req.stream:
-            writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids)
+            writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids, logprobs)
             return EngineStream(self._sse(writer, first, tracker, lease), lease)
         try:
             out = first
@@ -430,7 +431,7 @@ class SpecRayServer:
                                  None, out.finish_reason)
             build = P.chat_response if kind == "chat" else P.completion_response
             lease.status = 200
-            return JSONResponse(build(rid, self.model_name, out, req.return_token_ids))
+            return JSONResponse(build(rid, self.model_name, out, req.return_token_ids, logprobs))
         except P.APIError as e:
             lease.status = e.status
             return _error_response(e)
@@ -542,7 +543,7 @@ class SpecRayServer:
                 top_k=p.top_k if p.HasField("top_k") else 0,
                 seed=p.seed if p.HasField("seed") else None,
                 stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                min_tokens=p.min_tokens)
+                min_tokens=p.min_tokens, logprobs=p.logprobs if p.HasField("logprobs") else None)
         except ValueError as e:
             raise P.sampling_error(e) from None
         return prompt, params
@@ -574,6 +575,9 @@ class SpecRayServer:
                     tracker.update(out, time.monotonic())
                     msg = pb.GenerateResponse(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
                                               finished=out.finished)
+                    for e in P.LogprobWriter.new_entries(out):
+                        msg.logprobs.add(token_id=e.token_id, logprob=e.logprob,
+                                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
                     if out.finished:
                         if P.finish_reason(out) is None:
                             raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error")

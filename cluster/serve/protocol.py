@@ -3,9 +3,11 @@ builders, and errors in OpenAI's shape.
 
 Only the fields specray implements are accepted. Fields OpenAI defines but
 specray does not implement get a 400 that names them (``n`` > 1,
-``logprobs``, ``tools``, ...); unknown fields get OpenAI's own
+``tools``, ...); unknown fields get OpenAI's own
 "Unrecognized request argument" 400. Extensions (vLLM's names): ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``return_token_ids``.
+Log probabilities are vLLM's raw ones: the model's distribution before
+temperature, top-k / top-p and the min_tokens mask.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specray.request import PromptTooLong, RequestOutput
-from specray.sampling import SamplingParams
+from specray.request import PromptTooLong, RequestOutput, TokenLogprobs
+from specray.sampling import MAX_LOGPROBS, SamplingParams
 
 
 # ------------------------------------------------------------------ errors
@@ -95,7 +97,7 @@ def sampling_error(e: ValueError) -> APIError:
     msg = str(e)
     first = msg.split(" ", 1)[0]
     param = first if first in {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                               "stop_token_ids", "min_tokens"} else None
+                               "stop_token_ids", "min_tokens", "logprobs"} else None
     return bad_request(msg, param, "invalid_value")
 
 
@@ -181,6 +183,10 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: None, or how many alternatives."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
             return SamplingParams(
@@ -193,6 +199,7 @@ class _Common(BaseModel):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens or 0,
+                logprobs=self.num_logprobs(),
             )
         except ValueError as e:
             raise sampling_error(e) from None
@@ -219,10 +226,14 @@ class CompletionRequest(_Common):
         self._check_common()
         if self.echo:
             raise unsupported("echo", "echoing the prompt is not implemented")
-        if self.logprobs is not None:  # 0 still asks for the sampled tokens' log probabilities
-            raise unsupported("logprobs", "log probabilities are not returned")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be from 0 to {MAX_LOGPROBS}, got {self.logprobs}", "logprobs",
+                              "invalid_value")
         if self.suffix:
             raise unsupported("suffix", "insertion (suffix) is not implemented")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs  # 0 still asks for the sampled tokens' own
 
     def max_new_tokens(self) -> int:
         return self.max_tokens or 16  # OpenAI's default for completions
@@ -285,10 +296,12 @@ class ChatCompletionRequest(_Common):
 
     def check(self) -> None:
         self._check_common()
-        if self.logprobs:
-            raise unsupported("logprobs", "log probabilities are not returned")
-        if self.top_logprobs:
-            raise unsupported("top_logprobs", "log probabilities are not returned")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}",
+                                  "top_logprobs", "invalid_value")
+            if self.top_logprobs and not self.logprobs:
+                raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
         if self.tools or self.functions:
             raise unsupported("tools" if self.tools else "functions", "tool / function calling is not implemented")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
@@ -303,6 +316,9 @@ class ChatCompletionRequest(_Common):
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": m.text(i)})
         return out
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -356,14 +372,65 @@ def _response(rid: str, model: str, obj: str, choice: dict, out: RequestOutput, 
     return body
 
 
-def completion_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
-    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+class LogprobWriter:
+    """OpenAI's ``logprobs`` objects for one request's tokens: chat's
+    ``{"content": [...]}`` or the completions API's parallel lists (whose
+    ``text_offset`` runs on across a stream's chunks). A token's text is its
+    id decoded alone, as vLLM reports it (a piece of a multi-byte character
+    reads as U+FFFD); without a tokenizer, vLLM's ``token_id:N``."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.text_offset = 0
+
+    def _text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _value(logprob: float) -> float:
+        return max(logprob, -9999.0)  # JSON has no -inf; OpenAI's floor
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": self._value(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def render(self, entries: list[TokenLogprobs]) -> dict:
+        if self.chat:
+            return {"content": [{**self._chat_entry(e.token_id, e.logprob),
+                                 "top_logprobs": [self._chat_entry(t, v) for t, v in e.top]} for e in entries],
+                    "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = self._text(e.token_id)
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+            # The sampled token is always there, so up to k + 1 entries (OpenAI's rule).
+            top = {self._text(t): self._value(v) for t, v in e.top}
+            top.setdefault(text, self._value(e.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [self._value(e.logprob) for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def new_entries(out: RequestOutput) -> list[TokenLogprobs]:
+        """The entries of ``out``'s new tokens."""
+        return (out.logprobs or [])[len(out.token_ids) - len(out.delta_token_ids):]
+
+
+def completion_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool,
+                        logprobs: LogprobWriter | None = None) -> dict:
+    choice = {"index": 0, "text": out.text, "logprobs": logprobs.render(out.logprobs) if logprobs else None,
+              "finish_reason": finish_reason(out)}
     return _response(rid, model, "text_completion", choice, out, return_token_ids)
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool) -> dict:
+def chat_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool,
+                  logprobs: LogprobWriter | None = None) -> dict:
     choice = {"index": 0, "message": {"role": "assistant", "content": out.text, "refusal": None},
-              "logprobs": None, "finish_reason": finish_reason(out)}
+              "logprobs": logprobs.render(out.logprobs) if logprobs else None, "finish_reason": finish_reason(out)}
     return _response(rid, model, "chat.completion", choice, out, return_token_ids)
 
 
@@ -376,10 +443,12 @@ def sse(data: dict | str) -> bytes:
 class ChunkWriter:
     """OpenAI's streaming chunks for one request (chat or completion)."""
 
-    def __init__(self, kind: str, rid: str, model: str, include_usage: bool, return_token_ids: bool):
+    def __init__(self, kind: str, rid: str, model: str, include_usage: bool, return_token_ids: bool,
+                 logprobs: LogprobWriter | None = None):
         self.chat = kind == "chat"
         self.rid, self.model = rid, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
+        self.logprobs = logprobs
         self.created = int(time.time())
         self.sent_role = False
 
@@ -391,7 +460,9 @@ class ChunkWriter:
         body.update(extra)
         return body
 
-    def _choice(self, text: str | None, token_ids: list[int], reason: str | None) -> dict:
+    def _choice(self, text: str | None, token_ids: list[int], reason: str | None,
+                entries: list[TokenLogprobs] | None = None) -> dict:
+        logprobs = self.logprobs.render(entries) if self.logprobs and entries else None
         if self.chat:
             delta: dict = {}
             if not self.sent_role:
@@ -399,12 +470,17 @@ class ChunkWriter:
                 self.sent_role = True
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
+
+    def _has_news(self, out: RequestOutput) -> bool:
+        # A token whose text is held back (a stop string's prefix, half a
+        # character) still brings its ids and log probabilities.
+        return bool(out.delta_text or (out.delta_token_ids and (self.return_token_ids or self.logprobs)))
 
     def start(self) -> list[bytes]:
         """Chat streams open with the assistant role (as OpenAI's do)."""
@@ -414,9 +490,10 @@ class ChunkWriter:
 
     def delta(self, out: RequestOutput) -> list[bytes]:
         chunks = []
+        entries = LogprobWriter.new_entries(out) if self.logprobs else None
         if not out.finished:
-            if out.delta_text or (self.return_token_ids and out.delta_token_ids):
-                chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None)])))
+            if self._has_news(out):
+                chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None, entries)])))
             return chunks
         reason = finish_reason(out)
         if reason is None:  # aborted or failed inside the engine
@@ -424,12 +501,12 @@ class ChunkWriter:
                                        None, out.finish_reason).body()))
             chunks.append(sse("[DONE]"))
             return chunks
-        if self.chat and (out.delta_text or (self.return_token_ids and out.delta_token_ids)):
+        if self.chat and self._has_news(out):
             # content first, then an empty delta carrying the finish reason
-            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None)])))
+            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None, entries)])))
             chunks.append(sse(self._chunk([self._choice(None, [], reason)], specray=spec_stats(out))))
         else:
-            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, reason)],
+            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, reason, entries)],
                                           specray=spec_stats(out))))
         if self.include_usage:
             chunks.append(sse(self._chunk([], usage=usage(out))))
