@@ -40,7 +40,8 @@ import math
 import os
 from pathlib import Path
 
-PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_tokens")
+PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_tokens",
+                "presence_penalty", "frequency_penalty", "repetition_penalty")
 INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
 OUTPUT_FIELDS = ("id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "mean_acceptance_length")
 JSONL_EXTS = (".jsonl", ".ndjson", ".json")

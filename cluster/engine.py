@@ -39,6 +39,7 @@ from specray.detokenizer import (
     stop_holdback,
 )
 from specray.logprobs import LogprobRows
+from specray.penalties import penalize
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.request import Request, RequestOutput, check_prompt_length
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
@@ -295,6 +296,7 @@ class EngineCore:
         t = time.perf_counter()
         logits = self.target.execute(batch)
         logprob_rows = self._logprob_rows(decode, plan.prefill, logits, logit_rows, batch.uniform_rows)
+        self._penalize(decode, plan.prefill, logits, logit_rows, batch.uniform_rows, drafts)
         self._mask_early_stops(decode, plan.prefill, logits, logit_rows, batch.uniform_rows)
         self._sync()
         stats.verify = time.perf_counter() - t
@@ -330,8 +332,8 @@ class EngineCore:
         launched ahead of the host (the settings and the workers allow it)."""
         if not self.config.async_scheduling or self.config.sync_timing:
             return False
-        if any(r.min_tokens_left or r.params.logprobs is not None for r in requests):
-            return False  # the stop-token mask of min_tokens and log probabilities are synchronous steps' work
+        if any(r.min_tokens_left or r.params.logprobs is not None or r.params.penalized for r in requests):
+            return False  # min_tokens' mask, log probabilities and penalties are synchronous steps' work
         if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
                 not all(r.params.greedy for r in requests):
             return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it
@@ -522,6 +524,23 @@ class EngineCore:
         logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
 
+    @staticmethod
+    def _verify_rows(s: int, d: DecodeItem, verify_rows: torch.Tensor, uniform_rows: int) -> list[int]:
+        """The logits rows of decode row ``s``'s verify block, in order."""
+        if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1
+            return [s * uniform_rows + j for j in range(d.block_len)]
+        return verify_rows[s, : d.block_len].tolist()
+
+    def _penalize(self, decode, prefill, logits, logit_rows, uniform_rows: int, drafts) -> None:
+        """Presence / frequency / repetition penalties on the rows of the
+        requests that set them (penalties.py)."""
+        verify_rows, sample_rows = logit_rows
+        groups = [(d.request, self._verify_rows(s, d, verify_rows, uniform_rows), s)
+                  for s, d in enumerate(decode) if d.request.params.penalized]
+        groups += [(r, [int(sample_rows[k])], None)
+                   for k, r in enumerate(p.request for p in prefill if p.samples_first_token) if r.params.penalized]
+        penalize(logits, groups, drafts.tokens if drafts is not None else None)
+
     def _mask_early_stops(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> None:
         """Stop tokens get no probability (logit -inf) in the rows that
         predict a request's output tokens before its ``min_tokens``; the
@@ -539,8 +558,8 @@ class EngineCore:
 
         for s, d in enumerate(decode):
             # Verify row j predicts output token len(output) + j.
-            if early := range(min(d.request.min_tokens_left, d.block_len)):
-                mask([s * uniform_rows + j if uniform_rows else int(verify_rows[s, j]) for j in early], d.request)
+            if early := min(d.request.min_tokens_left, d.block_len):
+                mask(self._verify_rows(s, d, verify_rows, uniform_rows)[:early], d.request)
         firsts = [p.request for p in prefill if p.samples_first_token]
         for k, r in enumerate(firsts):
             if r.min_tokens_left:
@@ -558,8 +577,7 @@ class EngineCore:
         wanted = []
         for s, d in enumerate(decode):
             if d.request.params.logprobs is not None:
-                wanted.append((d.request, [s * uniform_rows + j for j in range(d.block_len)] if uniform_rows
-                               else verify_rows[s, : d.block_len].tolist()))
+                wanted.append((d.request, self._verify_rows(s, d, verify_rows, uniform_rows)))
         for k, r in enumerate(p.request for p in prefill if p.samples_first_token):
             if r.params.logprobs is not None:
                 wanted.append((r, [int(sample_rows[k])]))

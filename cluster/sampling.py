@@ -62,6 +62,14 @@ class SamplingParams:
     # raw logprobs: before temperature, top-k / top-p and the min_tokens
     # mask), with this many most likely alternatives; None: none.
     logprobs: int | None = None
+    # vLLM's (and OpenAI's) penalties on the target's logits, before
+    # temperature: presence and frequency subtract, for each token, its
+    # presence in / count over the generated tokens so far; repetition
+    # divides a positive logit (multiplies a negative one) of every token
+    # in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -108,10 +116,20 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (or unset), "
                              f"got {_short(self.logprobs)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number from -2 to 2, got {_short(v)}")
+        if not _finite_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be a number in (0, 10], got {_short(self.repetition_penalty)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
 def _finite_number(x) -> bool:

@@ -204,6 +204,9 @@ def test_validate_record():
     assert "top_p" in validate_record({"id": "a", "prompt": "x", "top_p": 0}, d)[1]
     assert validate_record({"id": "a", "prompt": "x", "min_tokens": 5.0}, d)[0]["params"]["min_tokens"] == 5
     assert "min_tokens" in validate_record({"id": "a", "prompt": "x", "min_tokens": 9}, d)[1]  # > max_tokens 8
+    pen = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}
+    assert validate_record({"id": "a", "prompt": "x", **pen}, d)[0]["params"].items() >= pen.items()
+    assert "repetition_penalty" in validate_record({"id": "a", "prompt": "x", "repetition_penalty": 0}, d)[1]
     assert "content" in validate_record({"id": "a", "messages": [{"role": "user"}]}, d)[1]
     assert "id must be" in validate_record({"id": True, "prompt": "x"}, d)[1]
     # Parquet written by pandas holds nullable int ids as floats

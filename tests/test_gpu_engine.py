@@ -196,3 +196,24 @@ def test_gpu_min_tokens_matches_cpu(ckpt, async_):
                                         dtype="float32", num_kv_blocks=512, max_model_len=512, cuda_graphs=True,
                                         async_scheduling=async_).generate(PROMPTS, held)]
         assert got == want, drafter
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_gpu_logprobs_match_cpu(ckpt, async_):
+    """Log probabilities on the GPU (fp32; graphed verify blocks, a prefill
+    graph's first-token row; an async engine runs the request in
+    synchronous steps): the CPU's tokens and figures, speculative and
+    autoregressive, one row with prompt lookups, one without a stop."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=4) for _ in PROMPTS]
+    want = LLM(ckpt / "t", ckpt / "d", device="cpu", dtype="float32", num_kv_blocks=512,
+               max_model_len=512).generate(PROMPTS, params)
+    for drafter in (True, False):
+        got = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
+                  max_model_len=512, cuda_graphs=True, async_scheduling=async_).generate(PROMPTS, params)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids, drafter
+            assert len(g.logprobs) == len(g.token_ids)
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+                assert [t for t, _ in a.top][:2] == [t for t, _ in b.top][:2]
+                assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-3)

@@ -338,6 +338,32 @@ def test_min_tokens_over_http_and_grpc(server):
     assert status == 400 and err["error"]["param"] == "min_tokens", err
 
 
+def test_penalties_over_http_and_grpc(server):
+    """presence / frequency (OpenAI) and repetition (vLLM) penalties: HTTP
+    gives the in-process engine's penalised tokens, which differ from the
+    free ones, and so does gRPC; out of range is a 400 naming the field."""
+    client = server.client()
+    prompt = "Hello world, this is a test"
+    kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    pen = dict(presence_penalty=1.5, frequency_penalty=0.5)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    got = client.completions.create(**kw, **pen, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                             "repetition_penalty": 1.3})
+    ids = got.choices[0].model_extra["token_ids"]
+    want = LLM(server.root / MODEL, server.root / "drafter").generate(prompt, SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, **pen))[0]
+    assert ids == want.token_ids != free.choices[0].model_extra["token_ids"]
+    channel, stub = _grpc_stub(server)
+    with channel:
+        msgs = list(stub.Generate(pb.GenerateRequest(model=MODEL, prompt=prompt, params=pb.SamplingParams(
+            max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, **pen)),
+            metadata=[("authorization", f"Bearer {API_KEY}")]))
+    assert sum((list(m.token_ids) for m in msgs), []) == ids
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
+        status, _, err = server.request("POST", "/v1/completions", {**kw, field: value})
+        assert status == 400 and err["error"]["param"] == field, err
+
+
 def test_chat_text_parts_join_with_newlines(server):
     """vLLM joins a message's text parts with "\\n"; they were run together."""
     def prompt_ids(content):
@@ -427,7 +453,7 @@ def test_invalid_parameters(server):
         dict(max_tokens=0), dict(top_p=0),
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         dict(extra_body={"top_k": -3}), dict(extra_body={"best_of": 2}), dict(extra_body={"no_such_field": 1}),
-        dict(response_format={"type": "json_object"}), dict(presence_penalty=1.0),
+        dict(response_format={"type": "json_object"}), dict(presence_penalty=3.0),
     ]
     for kw in bad:
         with pytest.raises(openai.BadRequestError) as e:

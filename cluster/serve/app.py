@@ -543,7 +543,9 @@ class SpecRayServer:
                 top_k=p.top_k if p.HasField("top_k") else 0,
                 seed=p.seed if p.HasField("seed") else None,
                 stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                min_tokens=p.min_tokens, logprobs=p.logprobs if p.HasField("logprobs") else None)
+                min_tokens=p.min_tokens, logprobs=p.logprobs if p.HasField("logprobs") else None,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0)
         except ValueError as e:
             raise P.sampling_error(e) from None
         return prompt, params

@@ -5,7 +5,8 @@ Only the fields specray implements are accepted. Fields OpenAI defines but
 specray does not implement get a 400 that names them (``n`` > 1,
 ``tools``, ...); unknown fields get OpenAI's own
 "Unrecognized request argument" 400. Extensions (vLLM's names): ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``return_token_ids``.
+``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``,
+``return_token_ids``.
 Log probabilities are vLLM's raw ones: the model's distribution before
 temperature, top-k / top-p and the min_tokens mask.
 """
@@ -97,7 +98,8 @@ def sampling_error(e: ValueError) -> APIError:
     msg = str(e)
     first = msg.split(" ", 1)[0]
     param = first if first in {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                               "stop_token_ids", "min_tokens", "logprobs"} else None
+                               "stop_token_ids", "min_tokens", "logprobs", "presence_penalty",
+                               "frequency_penalty", "repetition_penalty"} else None
     return bad_request(msg, param, "invalid_value")
 
 
@@ -158,6 +160,7 @@ class _Common(BaseModel):
     best_of: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
     def _check_common(self) -> None:
@@ -165,9 +168,6 @@ class _Common(BaseModel):
             raise unsupported("n", "only n=1 is supported (send several requests)")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "only best_of=1 is supported")
-        for p in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, p) not in (None, 0):
-                raise unsupported(p, "penalties are not implemented")
         if self.logit_bias:
             raise unsupported("logit_bias", "logit bias is not implemented")
         if self.stream_options is not None:
@@ -200,6 +200,9 @@ class _Common(BaseModel):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens or 0,
                 logprobs=self.num_logprobs(),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             )
         except ValueError as e:
             raise sampling_error(e) from None

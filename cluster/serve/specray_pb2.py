@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecray/serve/specray.proto\x12\nspecray.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specray.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xdb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specray.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.specray.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.specray.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xb8\x01\n\x10SpeculativeStats\x12\x1e\n\x16mean_acceptance_length\x18\x01 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x02 \x03(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x04\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specray.v1.TopLogprob\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specray.v1.Usage\x12+\n\x05stats\x18\x07 \x01(\x0b\x32\x1c.specray.v1.SpeculativeStats\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.specray.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"Q\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x13\n\x0bspeculative\x18\x04 \x01(\x08\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.specray.v1.Model2\x9f\x01\n\x07SpecRay\x12G\n\x08Generate\x12\x1b.specray.v1.GenerateRequest\x1a\x1c.specray.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.specray.v1.ListModelsRequest\x1a\x1e.specray.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecray/serve/specray.proto\x12\nspecray.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specray.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x99\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\xdb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specray.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.specray.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.specray.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xb8\x01\n\x10SpeculativeStats\x12\x1e\n\x16mean_acceptance_length\x18\x01 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x02 \x03(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x04\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specray.v1.TopLogprob\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specray.v1.Usage\x12+\n\x05stats\x18\x07 \x01(\x0b\x32\x1c.specray.v1.SpeculativeStats\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.specray.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"Q\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x13\n\x0bspeculative\x18\x04 \x01(\x08\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.specray.v1.Model2\x9f\x01\n\x07SpecRay\x12G\n\x08Generate\x12\x1b.specray.v1.GenerateRequest\x1a\x1c.specray.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.specray.v1.ListModelsRequest\x1a\x1e.specray.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,25 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=148
   _globals['_TOKENIDS']._serialized_end=171
   _globals['_SAMPLINGPARAMS']._serialized_start=174
-  _globals['_SAMPLINGPARAMS']._serialized_end=474
-  _globals['_GENERATEREQUEST']._serialized_start=477
-  _globals['_GENERATEREQUEST']._serialized_end=696
-  _globals['_USAGE']._serialized_start=698
-  _globals['_USAGE']._serialized_end=777
-  _globals['_SPECULATIVESTATS']._serialized_start=780
-  _globals['_SPECULATIVESTATS']._serialized_end=964
-  _globals['_TOPLOGPROB']._serialized_start=966
-  _globals['_TOPLOGPROB']._serialized_end=1013
-  _globals['_TOKENLOGPROB']._serialized_start=1015
-  _globals['_TOKENLOGPROB']._serialized_end=1101
-  _globals['_GENERATERESPONSE']._serialized_start=1104
-  _globals['_GENERATERESPONSE']._serialized_end=1355
-  _globals['_LISTMODELSREQUEST']._serialized_start=1357
-  _globals['_LISTMODELSREQUEST']._serialized_end=1376
-  _globals['_MODEL']._serialized_start=1378
-  _globals['_MODEL']._serialized_end=1459
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1461
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1516
-  _globals['_SPECRAY']._serialized_start=1519
-  _globals['_SPECRAY']._serialized_end=1678
+  _globals['_SAMPLINGPARAMS']._serialized_end=583
+  _globals['_GENERATEREQUEST']._serialized_start=586
+  _globals['_GENERATEREQUEST']._serialized_end=805
+  _globals['_USAGE']._serialized_start=807
+  _globals['_USAGE']._serialized_end=886
+  _globals['_SPECULATIVESTATS']._serialized_start=889
+  _globals['_SPECULATIVESTATS']._serialized_end=1073
+  _globals['_TOPLOGPROB']._serialized_start=1075
+  _globals['_TOPLOGPROB']._serialized_end=1122
+  _globals['_TOKENLOGPROB']._serialized_start=1124
+  _globals['_TOKENLOGPROB']._serialized_end=1210
+  _globals['_GENERATERESPONSE']._serialized_start=1213
+  _globals['_GENERATERESPONSE']._serialized_end=1464
+  _globals['_LISTMODELSREQUEST']._serialized_start=1466
+  _globals['_LISTMODELSREQUEST']._serialized_end=1485
+  _globals['_MODEL']._serialized_start=1487
+  _globals['_MODEL']._serialized_end=1568
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1570
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1625
+  _globals['_SPECRAY']._serialized_start=1628
+  _globals['_SPECRAY']._serialized_end=1787
 # @@protoc_insertion_point(module_scope)
