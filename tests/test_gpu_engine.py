@@ -217,3 +217,21 @@ def test_gpu_logprobs_match_cpu(ckpt, async_):
                 assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-3)
                 assert [t for t, _ in a.top][:2] == [t for t, _ in b.top][:2]
                 assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-3)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_gpu_penalties_match_cpu(ckpt, async_):
+    """Penalties on the GPU (graphed verify blocks whose rows count the
+    drafts before them; an async engine runs the requests in synchronous
+    steps): the CPU's fp32 tokens, speculative and autoregressive, which
+    differ from the free ones."""
+    kw = dict(max_tokens=32, temperature=0, ignore_eos=True)
+    params = [SamplingParams(**kw, repetition_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(**kw, presence_penalty=1.5), SamplingParams(**kw, repetition_penalty=1.8),
+              SamplingParams(**kw, frequency_penalty=-0.5, presence_penalty=0.5), SamplingParams(**kw)]
+    free = generate(ckpt, False, "cpu", "float32", SamplingParams(**kw))
+    want = generate(ckpt, False, "cpu", "float32", params)
+    assert sum(w != f for w, f in zip(want, free)) >= 3 and want[4] == free[4]
+    for drafter in (True, False):
+        assert generate(ckpt, drafter, "cuda", "float32", params, cuda_graphs=True,
+                        async_scheduling=async_) == want, drafter
