@@ -364,6 +364,46 @@ def test_penalties_over_http_and_grpc(server):
         assert status == 400 and err["error"]["param"] == field, err
 
 
+def test_n_choices(server):
+    """n > 1: n choices, each the in-process engine's output for seed +
+    index (vLLM's rule), streamed too (each chunk naming its choice, the
+    usage counting the prompt once); greedy choices are identical; an n
+    the replica could never admit is a 400, and no slot stays taken."""
+    client = server.client()
+    prompt = "The capital of France is"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    out = client.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    llm = LLM(server.root / MODEL, server.root / "drafter")
+    want = [llm.generate(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=11 + i, ignore_eos=True))[0]
+            for i in range(3)]
+    assert [c.model_extra["token_ids"] for c in out.choices] == [w.token_ids for w in want]
+    assert len({tuple(w.token_ids) for w in want}) > 1  # the seeds differ
+    assert out.usage.prompt_tokens == len(want[0].prompt_token_ids) and out.usage.completion_tokens == 30
+    spec = out.model_extra["specray"]
+    assert spec["acceptance_lengths"] == [a for w in want for a in w.metrics.acceptance_lengths]
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for c in chunks[:-1]:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [c.text for c in out.choices]
+    assert sum(1 for c in chunks for ch in c.choices if ch.finish_reason) == 3
+    assert chunks[-1].usage.completion_tokens == 30
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+    streamed = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, n=2,
+                                                   stream=True))
+    roles = [ch.index for c in streamed for ch in c.choices if ch.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    for n in (0, LIMIT + 1):
+        status, _, body = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": n})
+        assert status == 400 and body["error"]["param"] == "n", body
+    assert server.wait_idle()["in_flight"] == 0
+
+
 def test_chat_text_parts_join_with_newlines(server):
     """vLLM joins a message's text parts with "\\n"; they were run together."""
     def prompt_ids(content):
@@ -449,7 +489,7 @@ def test_invalid_parameters(server):
     client = server.client()
     msgs = [{"role": "user", "content": "hi"}]
     bad = [
-        dict(temperature=5), dict(n=2), dict(top_logprobs=3), dict(top_logprobs=21, logprobs=True),
+        dict(temperature=5), dict(n=0), dict(top_logprobs=3), dict(top_logprobs=21, logprobs=True),
         dict(max_tokens=0), dict(top_p=0),
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         dict(extra_body={"top_k": -3}), dict(extra_body={"best_of": 2}), dict(extra_body={"no_such_field": 1}),

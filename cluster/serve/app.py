@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specray.serve import protocol as P
-from specray.serve.lease import EngineStream, Lease, detached, shielded
+from specray.serve.lease import EngineStream, Lease, detached, release_all, set_status, shielded
 
 log = logging.getLogger("specray.serve")
 
@@ -243,23 +243,29 @@ class SpecRayServer:
             await asyncio.sleep(1.0)
 
     # ---------------------------------------------------------- admission
-    def _admit(self, endpoint: str) -> Lease:
+    def _admit(self, endpoint: str, n: int = 1) -> list[Lease]:
+        """Slots for a request's ``n`` engine requests (its choices), all or
+        none; the first lease reports the request to the metrics."""
         self._ensure_poller()
-        if self.in_flight >= self.limit:
+        if n > self.limit:
+            raise P.bad_request(f"n ({n}) exceeds what this server runs at once ({self.limit})", "n",
+                                "invalid_value")
+        if self.in_flight + n > self.limit:
             self.metrics.rejected_request(endpoint)
             raise P.APIError(
                 429, f"The server is at capacity ({self.limit} requests in flight on this replica); "
                      f"retry after {self.settings.retry_after_s} s.",
                 "rate_limit_exceeded", None, "rate_limit_exceeded",
                 headers={"Retry-After": str(self.settings.retry_after_s)})
-        self.in_flight += 1
+        self.in_flight += n
         self.metrics.in_flight.set(self.in_flight)
-        return Lease(self, endpoint)
+        return [Lease(self, endpoint, reports=i == 0) for i in range(n)]
 
     def _release(self, lease: Lease) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.set(self.in_flight)
-        self.metrics.request_done(lease.endpoint, lease.status)
+        if lease.reports:
+            self.metrics.request_done(lease.endpoint, lease.status)
 
     def _check_key(self, supplied: str | None) -> None:
         key = self.settings.api_key
@@ -375,7 +381,7 @@ class SpecRayServer:
     async def _serve_http(self, request: Request, kind: str):
         start = time.monotonic()
         endpoint = "chat_completions" if kind == "chat" else "completions"
-        lease = None
+        leases: list[Lease] = []
         try:
             self._check_http_key(request)
             body = P.parse_json(await self._read_body(request))
@@ -392,54 +398,60 @@ class SpecRayServer:
                 self._check_prompt_length(prompt)
                 params = req.sampling_params(req.max_new_tokens())
                 rid = P.new_id("cmpl")
-            lease = self._admit(endpoint)
-            lease.start(prompt, params, rid)
+            # n choices are n engine requests, each holding a slot.
+            leases = self._admit(endpoint, req.num_choices)
+            for i, lease in enumerate(leases):
+                lease.start(prompt, P.choice_params(params, i), rid if i == 0 else f"{rid}-{i}")
+            firsts = []
             try:
-                first = await lease.next()
+                for lease in leases:
+                    firsts.append(await lease.next())
             except ValueError as e:  # the engine rejected the prompt
                 raise P.prompt_error(e, "messages" if kind == "chat" else "prompt") from None
             except RuntimeError as e:
                 raise P.APIError(500, str(e), "server_error") from None
         except P.APIError as e:
-            if lease is None:
+            if not leases:
                 self.metrics.request_done(endpoint, e.status)
             else:
-                lease.status = e.status
-                await shielded(lease.release())
+                set_status(leases, e.status)
+                await shielded(release_all(leases))
             return _error_response(e)
         except BaseException:
-            if lease is not None:  # cancelled (client gone) while waiting for the first token
-                await shielded(lease.release())
+            # cancelled (client gone) while waiting for the first tokens
+            await shielded(release_all(leases))
             raise
 
         from specray.serve.metrics import RequestTracker
 
-        tracker = RequestTracker(self.metrics, start)
-        logprobs = P.LogprobWriter(self.tokenizer, kind == "chat") if params.logprobs is not None else None
+        trackers = [RequestTracker(self.metrics, start, count_prompt=i == 0) for i in range(len(leases))]
+        logprobs = [P.LogprobWriter(self.tokenizer, kind == "chat") if params.logprobs is not None else None
+                    for _ in leases]
         if req.stream:
             writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids, logprobs)
-            return EngineStream(self._sse(writer, first, tracker, lease), lease)
+            return EngineStream(self._sse(writer, firsts, trackers, leases), leases)
         try:
-            out = first
-            tracker.update(out, time.monotonic())
-            while not out.finished:
-                out = await lease.next()
+            outs = []
+            for lease, out, tracker in zip(leases, firsts, trackers):
                 tracker.update(out, time.monotonic())
-            reason = P.finish_reason(out)
-            if reason is None:
-                raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error",
-                                 None, out.finish_reason)
+                while not out.finished:
+                    out = await lease.next()
+                    tracker.update(out, time.monotonic())
+                if P.finish_reason(out) is None:
+                    raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error",
+                                     None, out.finish_reason)
+                outs.append(out)
             build = P.chat_response if kind == "chat" else P.completion_response
-            lease.status = 200
-            return JSONResponse(build(rid, self.model_name, out, req.return_token_ids, logprobs))
+            set_status(leases, 200)
+            return JSONResponse(build(rid, self.model_name, outs, req.return_token_ids, logprobs))
         except P.APIError as e:
-            lease.status = e.status
+            set_status(leases, e.status)
             return _error_response(e)
         except RuntimeError as e:
-            lease.status = 500
+            set_status(leases, 500)
             return _error_response(P.APIError(500, str(e), "server_error"))
         finally:
-            await shielded(lease.release())
+            await shielded(release_all(leases))
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, within the size and time limits: a client that sends
@@ -470,21 +482,29 @@ class SpecRayServer:
             raise P.APIError(499, "The client closed the connection before sending its body.",
                              "invalid_request_error", None, "client_closed_request") from None
 
-    async def _sse(self, writer: P.ChunkWriter, first, tracker, lease: Lease):
+    async def _sse(self, writer: P.ChunkWriter, firsts, trackers, leases: list[Lease]):
         for chunk in writer.start():
             yield chunk
-        out = first
+        finals = []
         try:
-            while True:
-                tracker.update(out, time.monotonic())
-                for chunk in writer.delta(out):
-                    yield chunk
-                if out.finished:
-                    lease.status = 200 if P.finish_reason(out) else 500
+            # Choice by choice: the others' outputs wait in their leases' queues.
+            for i, (lease, out, tracker) in enumerate(zip(leases, firsts, trackers)):
+                while True:
+                    tracker.update(out, time.monotonic())
+                    for chunk in writer.delta(i, out):
+                        yield chunk
+                    if out.finished:
+                        break
+                    out = await lease.next()
+                if P.finish_reason(out) is None:  # the writer ended the stream with an error event
+                    set_status(leases, 500)
                     return
-                out = await lease.next()
+                finals.append(out)
+            for chunk in writer.end(finals):
+                yield chunk
+            set_status(leases, 200)
         except RuntimeError as e:  # the engine failed under us
-            lease.status = 500
+            set_status(leases, 500)
             yield P.sse(P.APIError(500, str(e), "server_error").body())
             yield P.sse("[DONE]")
 
@@ -560,7 +580,7 @@ class SpecRayServer:
         try:
             self._grpc_key(grpc_context)
             prompt, params = await self._grpc_inputs(request)
-            lease = self._admit(endpoint)
+            lease, = self._admit(endpoint)
         except P.APIError as e:
             self.metrics.request_done(endpoint, _GRPC_CODES.get(e.status, "UNKNOWN"))
             self._grpc_fail(grpc_context, e, endpoint)
@@ -583,8 +603,8 @@ class SpecRayServer:
                     if out.finished:
                         if P.finish_reason(out) is None:
                             raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error")
-                        st = P.spec_stats(out)
-                        u = P.usage(out)
+                        st = P.spec_stats([out])
+                        u = P.usage([out])
                         msg.finish_reason = out.finish_reason
                         msg.usage.CopyFrom(pb.Usage(**u))
                         msg.stats.CopyFrom(pb.SpeculativeStats(

@@ -35,8 +35,9 @@ class Lease:
     engine request if still running, waits for the driver task, and frees
     the slot."""
 
-    def __init__(self, server, endpoint: str):
+    def __init__(self, server, endpoint: str, reports: bool = True):
         self.server, self.endpoint = server, endpoint
+        self.reports = reports  # counts the request in the metrics (one lease of a request's n)
         self.rid: str | None = None
         self.task: asyncio.Task | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -82,6 +83,16 @@ class Lease:
             self.server._release(self)
 
 
+async def release_all(leases: list[Lease]) -> None:
+    """Release a request's leases (its choices) together."""
+    await asyncio.gather(*(lease.release() for lease in leases))
+
+
+def set_status(leases: list[Lease], status) -> None:
+    for lease in leases:
+        lease.status = status
+
+
 def detach_from_request() -> None:
     """Forget which Serve request this task runs for.
 
@@ -119,17 +130,17 @@ async def shielded(coro) -> None:
 
 
 class EngineStream(StreamingResponse):
-    """SSE response whose ASGI call always releases its lease on the way
-    out, even if the body iterator never started (client gone before the
-    first byte)."""
+    """SSE response whose ASGI call always releases its leases (one per
+    choice) on the way out, even if the body iterator never started (client
+    gone before the first byte)."""
 
-    def __init__(self, content, lease: Lease):
+    def __init__(self, content, leases: list[Lease]):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.lease = lease
+        self.leases = leases
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await shielded(self.lease.release())
+            await shielded(release_all(self.leases))

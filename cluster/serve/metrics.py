@@ -85,7 +85,7 @@ class RequestTracker:
     """Latency and speculative counters of one request, fed each output;
     counters advance by what is new since the previous output."""
 
-    def __init__(self, metrics: ServeMetrics, start: float):
+    def __init__(self, metrics: ServeMetrics, start: float, count_prompt: bool = True):
         self.m = metrics
         self.start = start
         self.first: float | None = None
@@ -96,7 +96,7 @@ class RequestTracker:
         self.accepted = 0
         self.lookups = 0
         self.per_pos: list[int] = []
-        self.prompt_counted = False
+        self.prompt_counted = not count_prompt  # one choice of n counts the shared prompt
 
     def update(self, out: RequestOutput, now: float) -> None:
         m = self.m

@@ -2,7 +2,7 @@
 builders, and errors in OpenAI's shape.
 
 Only the fields specray implements are accepted. Fields OpenAI defines but
-specray does not implement get a 400 that names them (``n`` > 1,
+specray does not implement get a 400 that names them (``best_of``,
 ``tools``, ...); unknown fields get OpenAI's own
 "Unrecognized request argument" 400. Extensions (vLLM's names): ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``,
@@ -13,6 +13,7 @@ temperature, top-k / top-p and the min_tokens mask.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -164,8 +165,8 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     def _check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported("n", "only n=1 is supported (send several requests)")
+        if self.n is not None and self.n < 1:
+            raise bad_request(f"n must be at least 1, got {self.n}", "n", "invalid_value")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "only best_of=1 is supported")
         if self.logit_bias:
@@ -178,6 +179,10 @@ class _Common(BaseModel):
                 raise unsupported("stream_options.continuous_usage_stats", "only the final usage chunk is sent")
         if isinstance(self.stop, list) and not all(isinstance(s, str) for s in self.stop):
             raise bad_request("stop must be a string or a list of strings", "stop")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -343,40 +348,59 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of ``n``: its own stream of random numbers where a
+    seed is given (``seed + index``, vLLM's rule), a fresh one where not."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+
+
 def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finish_reason in ("stop", "length") else None
 
 
-def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput]) -> dict:
+    """One prompt, every choice's tokens (OpenAI's count for ``n`` > 1)."""
+    p, c = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def spec_stats(out: RequestOutput) -> dict:
-    """The ``specray`` extension field: speculative decoding figures."""
-    m = out.metrics
+def spec_stats(outs: list[RequestOutput]) -> dict:
+    """The ``specray`` extension field: speculative decoding figures (of
+    all choices together: their steps in choice order)."""
+    steps = [a for o in outs for a in o.metrics.acceptance_lengths]
+    drafted = [o for o in outs if o.metrics.num_draft_tokens]
+    per_pos: list[int] = []
+    for o in outs:
+        for i, c in enumerate(o.metrics.accepted_per_position):
+            per_pos.extend([0] * (i + 1 - len(per_pos)))
+            per_pos[i] += c
+    ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     return {
-        "mean_acceptance_length": round(m.mean_acceptance_length, 4),
-        "acceptance_lengths": list(m.acceptance_lengths),
-        "num_drafts": len(m.acceptance_lengths) if m.num_draft_tokens else 0,
-        "num_draft_tokens": m.num_draft_tokens,
-        "num_accepted_tokens": m.num_accepted_tokens,
-        "accepted_per_position": list(m.accepted_per_position),
-        "ttft_s": None if m.ttft is None else round(m.ttft, 6),
+        "mean_acceptance_length": round(sum(steps) / len(steps), 4) if steps else 0.0,
+        "acceptance_lengths": steps,
+        "num_drafts": sum(len(o.metrics.acceptance_lengths) for o in drafted),
+        "num_draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
+        "num_accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
+        "accepted_per_position": per_pos,
+        "ttft_s": round(min(ttfts), 6) if ttfts else None,
     }
 
 
-def _response(rid: str, model: str, obj: str, choice: dict, out: RequestOutput, return_token_ids: bool) -> dict:
+def _response(rid: str, model: str, obj: str, choices: list[dict], outs: list[RequestOutput],
+              return_token_ids: bool) -> dict:
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(out), "system_fingerprint": None, "specray": spec_stats(out)}
+            "choices": choices, "usage": usage(outs), "system_fingerprint": None, "specray": spec_stats(outs)}
     if return_token_ids:
-        choice["token_ids"] = list(out.token_ids)
-        body["prompt_token_ids"] = list(out.prompt_token_ids)
+        for choice, out in zip(choices, outs):
+            choice["token_ids"] = list(out.token_ids)
+        body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
     return body
 
 
 class LogprobWriter:
-    """OpenAI's ``logprobs`` objects for one request's tokens: chat's
+    """OpenAI's ``logprobs`` objects for one choice's tokens: chat's
     ``{"content": [...]}`` or the completions API's parallel lists (whose
     ``text_offset`` runs on across a stream's chunks). A token's text is its
     id decoded alone, as vLLM reports it (a piece of a multi-byte character
@@ -423,18 +447,19 @@ class LogprobWriter:
         return (out.logprobs or [])[len(out.token_ids) - len(out.delta_token_ids):]
 
 
-def completion_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool,
-                        logprobs: LogprobWriter | None = None) -> dict:
-    choice = {"index": 0, "text": out.text, "logprobs": logprobs.render(out.logprobs) if logprobs else None,
-              "finish_reason": finish_reason(out)}
-    return _response(rid, model, "text_completion", choice, out, return_token_ids)
+def completion_response(rid: str, model: str, outs: list[RequestOutput], return_token_ids: bool,
+                        logprobs: list[LogprobWriter | None]) -> dict:
+    choices = [{"index": i, "text": out.text, "logprobs": lp.render(out.logprobs) if lp else None,
+                "finish_reason": finish_reason(out)} for i, (out, lp) in enumerate(zip(outs, logprobs))]
+    return _response(rid, model, "text_completion", choices, outs, return_token_ids)
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, return_token_ids: bool,
-                  logprobs: LogprobWriter | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": out.text, "refusal": None},
-              "logprobs": logprobs.render(out.logprobs) if logprobs else None, "finish_reason": finish_reason(out)}
-    return _response(rid, model, "chat.completion", choice, out, return_token_ids)
+def chat_response(rid: str, model: str, outs: list[RequestOutput], return_token_ids: bool,
+                  logprobs: list[LogprobWriter | None]) -> dict:
+    choices = [{"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                "logprobs": lp.render(out.logprobs) if lp else None, "finish_reason": finish_reason(out)}
+               for i, (out, lp) in enumerate(zip(outs, logprobs))]
+    return _response(rid, model, "chat.completion", choices, outs, return_token_ids)
 
 
 def sse(data: dict | str) -> bytes:
@@ -444,16 +469,17 @@ def sse(data: dict | str) -> bytes:
 
 
 class ChunkWriter:
-    """OpenAI's streaming chunks for one request (chat or completion)."""
+    """OpenAI's streaming chunks for one request (chat or completion) and
+    its choices, each chunk naming its choice's index."""
 
     def __init__(self, kind: str, rid: str, model: str, include_usage: bool, return_token_ids: bool,
-                 logprobs: LogprobWriter | None = None):
+                 logprobs: list[LogprobWriter | None]):
         self.chat = kind == "chat"
         self.rid, self.model = rid, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
-        self.logprobs = logprobs
+        self.logprobs = logprobs  # one per choice
         self.created = int(time.time())
-        self.sent_role = False
+        self.sent_role = [False] * len(logprobs)
 
     def _chunk(self, choices: list, **extra) -> dict:
         body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -463,40 +489,45 @@ class ChunkWriter:
         body.update(extra)
         return body
 
-    def _choice(self, text: str | None, token_ids: list[int], reason: str | None,
+    def _choice(self, index: int, text: str | None, token_ids: list[int], reason: str | None,
                 entries: list[TokenLogprobs] | None = None) -> dict:
-        logprobs = self.logprobs.render(entries) if self.logprobs and entries else None
+        lp = self.logprobs[index]
+        logprobs = lp.render(entries) if lp and entries else None
         if self.chat:
             delta: dict = {}
-            if not self.sent_role:
+            if not self.sent_role[index]:
                 delta = {"role": "assistant", "content": ""}
-                self.sent_role = True
+                self.sent_role[index] = True
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
 
-    def _has_news(self, out: RequestOutput) -> bool:
+    def _has_news(self, index: int, out: RequestOutput) -> bool:
         # A token whose text is held back (a stop string's prefix, half a
         # character) still brings its ids and log probabilities.
-        return bool(out.delta_text or (out.delta_token_ids and (self.return_token_ids or self.logprobs)))
+        return bool(out.delta_text or (out.delta_token_ids and (self.return_token_ids or self.logprobs[index])))
 
     def start(self) -> list[bytes]:
-        """Chat streams open with the assistant role (as OpenAI's do)."""
+        """Chat streams open each choice with the assistant role (as OpenAI's do)."""
         if self.chat:
-            return [sse(self._chunk([self._choice(None, [], None)]))]
+            return [sse(self._chunk([self._choice(i, None, [], None)])) for i in range(len(self.logprobs))]
         return []
 
-    def delta(self, out: RequestOutput) -> list[bytes]:
+    def delta(self, index: int, out: RequestOutput) -> list[bytes]:
+        """Choice ``index``'s chunks for ``out``; the last one (finished)
+        carries its finish reason and speculative figures. A choice that
+        ended early gets an error event, and the stream ends there."""
         chunks = []
-        entries = LogprobWriter.new_entries(out) if self.logprobs else None
+        entries = LogprobWriter.new_entries(out) if self.logprobs[index] else None
         if not out.finished:
-            if self._has_news(out):
-                chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None, entries)])))
+            if self._has_news(index, out):
+                chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
+                                                            entries)])))
             return chunks
         reason = finish_reason(out)
         if reason is None:  # aborted or failed inside the engine
@@ -504,14 +535,17 @@ class ChunkWriter:
                                        None, out.finish_reason).body()))
             chunks.append(sse("[DONE]"))
             return chunks
-        if self.chat and self._has_news(out):
+        if self.chat and self._has_news(index, out):
             # content first, then an empty delta carrying the finish reason
-            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, None, entries)])))
-            chunks.append(sse(self._chunk([self._choice(None, [], reason)], specray=spec_stats(out))))
+            chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
+                                                        entries)])))
+            chunks.append(sse(self._chunk([self._choice(index, None, [], reason)], specray=spec_stats([out]))))
         else:
-            chunks.append(sse(self._chunk([self._choice(out.delta_text, out.delta_token_ids, reason, entries)],
-                                          specray=spec_stats(out))))
-        if self.include_usage:
-            chunks.append(sse(self._chunk([], usage=usage(out))))
-        chunks.append(sse("[DONE]"))
+            chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, reason,
+                                                        entries)], specray=spec_stats([out]))))
         return chunks
+
+    def end(self, outs: list[RequestOutput]) -> list[bytes]:
+        """After every choice finished: the usage chunk (when asked for), then [DONE]."""
+        chunks = [sse(self._chunk([], usage=usage(outs)))] if self.include_usage else []
+        return chunks + [sse("[DONE]")]
