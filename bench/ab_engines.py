@@ -8,12 +8,15 @@ speculative / autoregressive ratio per variant.
         --prompts data/prompts/eval.jsonl data/prompts/dev.jsonl --passes 3 --out ab.json
 
 A variant is ``name:key=value,key=value`` over ``LLM`` keyword arguments
-(ints, floats, true/false, none); every variant shares the model flags.
+and ``SamplingParams`` fields (ints, floats, true/false, none): what a
+feature of a request costs, e.g. ``--variant lp:logprobs=5``. Every
+variant shares the model flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -78,18 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(device=args.device, dtype=args.dtype, max_model_len=max_len,
                   gpu_memory_utilization=share, cuda_graphs=True if args.cuda_graphs else None,
                   async_scheduling=args.async_scheduling)
-    engines = {name: LLM(target, drafter, num_speculative_tokens=args.num_speculative_tokens, **common, **kw)
+    request_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    request_kw = {name: {k: v for k, v in kw.items() if k in request_fields} for name, kw in args.variant}
+    engines = {name: LLM(target, drafter, num_speculative_tokens=args.num_speculative_tokens, **common,
+                         **{k: v for k, v in kw.items() if k not in request_fields})
                for name, kw in args.variant}
     engines["ar"] = LLM(target, None, **common)
+    request_kw["ar"] = {}
     tok = next(iter(engines.values())).tokenizer
     sets = {Path(path).stem: [text for _, text in load_prompts(path, tok)] for path in args.prompts}
 
-    def params(n):
-        return [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i) for i in range(n)]
+    def params(name, n):
+        return [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i, **request_kw[name])
+                for i in range(n)]
 
     for prompts in sets.values():  # capture and compile every shape before timing
-        for llm in engines.values():
-            run_engine(llm, prompts, params(len(prompts)), 1)
+        for name, llm in engines.items():
+            run_engine(llm, prompts, params(name, len(prompts)), 1)
     report = {"target": target, "drafter": drafter, "variants": dict(args.variant), "max_tokens": args.max_tokens,
               "temperature": args.temperature, "passes": []}
     for i in range(args.passes):
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"pass": i, "set": set_name}
             outs = {}
             for name, llm in engines.items():
-                outs[name], secs = run_engine(llm, prompts, params(len(prompts)), 1)
+                outs[name], secs = run_engine(llm, prompts, params(name, len(prompts)), 1)
                 tokens = sum(len(o.token_ids) for o in outs[name])
                 steps = [a for o in outs[name] for a in o.metrics.acceptance_lengths]
                 row[name] = {"tokens_per_s": tokens / secs,

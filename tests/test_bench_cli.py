@@ -65,10 +65,10 @@ def test_ab_engines_runs_variants_against_the_baseline(tmp_path):
     out = tmp_path / "ab.json"
     argv = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--prompts", str(prompts),
             "--max-tokens", "16", "--passes", "2", "--variant", "off:prompt_lookup_min=0",
-            "--variant", "one:prompt_lookup_min=1", "--out", str(out)]
+            "--variant", "one:prompt_lookup_min=1,logprobs=2", "--out", str(out)]
     assert ab.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["variants"] == {"off": {"prompt_lookup_min": 0}, "one": {"prompt_lookup_min": 1}}
+    assert report["variants"] == {"off": {"prompt_lookup_min": 0}, "one": {"prompt_lookup_min": 1, "logprobs": 2}}
     assert len(report["passes"]) == 2
     for row in report["passes"]:
         for name in ("off", "one"):
