@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                   async_scheduling=args.async_scheduling)
     request_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     request_kw = {name: {k: v for k, v in kw.items() if k in request_fields} for name, kw in args.variant}
-    engines = {name: LLM(target, drafter, num_speculative_tokens=args.num_speculative_tokens, **common,
-                         **{k: v for k, v in kw.items() if k not in request_fields})
+    # A variant's engine settings override the shared ones (e.g. async_scheduling=false).
+    engines = {name: LLM(target, drafter, num_speculative_tokens=args.num_speculative_tokens,
+                         **{**common, **{k: v for k, v in kw.items() if k not in request_fields}})
                for name, kw in args.variant}
     engines["ar"] = LLM(target, None, **common)
     request_kw["ar"] = {}

@@ -42,7 +42,8 @@ class LogprobRows:
             starts.append(starts[-1] + len(rs))
         k = max(r.params.logprobs for r, _ in wanted)
         with torch.inference_mode():  # the workers' logits are inference tensors
-            logp = torch.log_softmax(logits[host_to_device(torch.tensor(rows), logits.device)].float(), dim=-1)
+            rows_dev = host_to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+            logp = torch.log_softmax(logits.index_select(0, rows_dev).float(), dim=-1)
             top_logp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
         return cls([r for r, _ in wanted], starts, logp, top_logp, top_ids)
 
@@ -57,11 +58,11 @@ class LogprobRows:
             cols.extend(tokens)
         with torch.inference_mode():
             idx = host_to_device(torch.tensor([rows, cols], dtype=torch.int64), self.logp.device)
-            chosen = self.logp[idx[0], idx[1]]
+            chosen = self.logp.view(-1).index_select(0, idx[0] * self.logp.shape[1] + idx[1])
             # One transfer for the step: the chosen tokens' figures, then the rows' top k
             # (ids as fp32: exact below 2**24, far above any vocabulary).
-            flat = torch.cat([chosen, self.top_logp[idx[0]].reshape(-1),
-                              self.top_ids[idx[0]].reshape(-1).float()]).cpu()
+            flat = torch.cat([chosen, self.top_logp.index_select(0, idx[0]).reshape(-1),
+                              self.top_ids.index_select(0, idx[0]).reshape(-1).float()]).cpu()
         n, k = len(rows), self.top_logp.shape[1]
         chosen_l = flat[:n].tolist()
         top_l = flat[n : n + n * k].view(n, k).tolist() if k else [[] for _ in range(n)]

@@ -41,20 +41,16 @@ def penalize(logits: torch.Tensor, groups: list[tuple[Request, list[int], int | 
         return
     dev, V = logits.device, logits.shape[-1]
     P = len(groups)
-    # Per request: its prompt's tokens and its output's counts.
-    req_rows, req_cols, out_rows, out_cols = [], [], [], []
+    # Per request: its prompt's tokens and its output's counts, as flat
+    # indices p * V + token. index_fill_ / index_add_ / index_select rather
+    # than advanced indexing, whose host side costs tens of microseconds a
+    # call (index_add_'s atomics are exact for integer counts).
+    prompt_flat, out_flat, knobs = [], [], []
     for p, (r, _, _) in enumerate(groups):
-        req_rows.extend([p] * len(r.prompt_token_ids))
-        req_cols.extend(r.prompt_token_ids)
-        out_rows.extend([p] * len(r.output_token_ids))
-        out_cols.extend(r.output_token_ids)
-    idx = host_to_device(torch.tensor([req_rows + out_rows, req_cols + out_cols], dtype=torch.int64), dev)
-    n_prompt = len(req_rows)
-    prompt_mask = torch.zeros(P, V, dtype=torch.bool, device=dev)
-    prompt_mask[idx[0, :n_prompt], idx[1, :n_prompt]] = True
-    counts = torch.zeros(P, V, dtype=torch.float32, device=dev)
-    counts.index_put_((idx[0, n_prompt:], idx[1, n_prompt:]), torch.ones(len(out_rows), device=dev), accumulate=True)
-
+        prompt_flat.extend(p * V + t for t in r.prompt_token_ids)
+        out_flat.extend(p * V + t for t in r.output_token_ids)
+        sp = r.params
+        knobs.append((sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty))
     # Row j of a block also counts the block's first j drafts.
     row_req, row_pos, row_draft, logit_rows = [], [], [], []
     for p, (_, rows, s) in enumerate(groups):
@@ -63,22 +59,27 @@ def penalize(logits: torch.Tensor, groups: list[tuple[Request, list[int], int | 
             row_pos.append(j)
             row_draft.append(-1 if s is None else s)
             logit_rows.append(row)
-    meta = host_to_device(torch.tensor([row_req, row_pos, row_draft, logit_rows], dtype=torch.int64), dev)
-    row_counts = counts[meta[0]]
+    n_prompt, n_out = len(prompt_flat), len(out_flat)
+    ints = host_to_device(torch.tensor(prompt_flat + out_flat + row_req + row_pos + row_draft + logit_rows,
+                                       dtype=torch.int64), dev)
+    prompt_idx, out_idx = ints[:n_prompt], ints[n_prompt : n_prompt + n_out]
+    meta = ints[n_prompt + n_out :].view(4, -1)
+    prompt_mask = torch.zeros(P * V, dtype=torch.bool, device=dev).index_fill_(0, prompt_idx, True)
+    counts = torch.zeros(P * V, dtype=torch.float32, device=dev)
+    counts.index_add_(0, out_idx, torch.ones(n_out, device=dev))
+    row_counts = counts.view(P, V).index_select(0, meta[0])
     if draft_tokens is not None and draft_tokens.shape[1] and any(s is not None for _, _, s in groups):
         drafts = draft_tokens.to(dev)
         G = drafts.shape[1]
         prefix = torch.arange(G, device=dev)[None, :] < meta[1][:, None]  # [n, G]: drafts before row j
         has = (meta[2] >= 0)[:, None] & prefix
-        toks = drafts[meta[2].clamp(min=0)]
+        toks = drafts.index_select(0, meta[2].clamp(min=0))
         row_counts.scatter_add_(1, toks, has.to(row_counts.dtype))
 
-    params = [groups[p][0].params for p in row_req]
-    knobs = host_to_device(torch.tensor([[sp.presence_penalty for sp in params],
-                                         [sp.frequency_penalty for sp in params],
-                                         [sp.repetition_penalty for sp in params]], dtype=torch.float32), dev)
+    knobs_dev = host_to_device(torch.tensor(knobs, dtype=torch.float32), dev).index_select(0, meta[0])  # [n, 3]
     with torch.inference_mode():  # the workers' logits are inference tensors
         rows = meta[3]
-        penalised = apply_penalties(logits[rows].float(), prompt_mask[meta[0]], row_counts,
-                                        knobs[0], knobs[1], knobs[2])
-        logits[rows] = penalised.to(logits.dtype)
+        penalised = apply_penalties(logits.index_select(0, rows).float(),
+                                    prompt_mask.view(P, V).index_select(0, meta[0]), row_counts,
+                                    knobs_dev[:, 0], knobs_dev[:, 1], knobs_dev[:, 2])
+        logits.index_copy_(0, rows, penalised.to(logits.dtype))
