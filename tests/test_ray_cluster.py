@@ -95,10 +95,19 @@ def test_three_way_tensor_parallel_group(cluster, tmp_path):
             for w in want]
     want_held = [o.token_ids for o in local.generate(PROMPTS, held)]
     assert all(len(h) > 8 and w[2] not in h[:8] and h != w for h, w in zip(want_held, want))
+    # Penalties and log probabilities, also read on the driver rank's logits.
+    extra = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=0.5,
+                           frequency_penalty=0.3, logprobs=3)
+    want_extra = local.generate(PROMPTS, extra)
     llm = LLM(tmp_path / "t", tmp_path / "d", backend="ray", tensor_parallel_size=3, drafter_placement="separate")
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         assert [o.token_ids for o in llm.generate(PROMPTS, held)] == want_held
+        got = llm.generate(PROMPTS, extra)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want_extra]
+        for g, w in zip(got, want_extra):
+            assert [e.logprob for e in g.logprobs] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-4)
+            assert [[t for t, _ in e.top] for e in g.logprobs] == [[t for t, _ in e.top] for e in w.logprobs]
     finally:
         llm.shutdown()
 
