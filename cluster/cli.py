@@ -61,6 +61,10 @@ def _sampling(args):
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
+        min_tokens=args.min_tokens,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
 
 
@@ -110,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append")
+    g.add_argument("--min-tokens", type=int, default=0, help="no stop ends the output before this many tokens")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
     g.set_defaults(func=cmd_generate)
 

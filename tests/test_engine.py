@@ -120,6 +120,13 @@ def test_cli_generate_prints_text_and_stats(ckpt, capsys):
     stats = _json.loads(out[-1])
     assert rc == 0 and stats["tokens"] == 12 and stats["mean_acceptance_length"] >= 1
     assert main(["generate", "--target", str(ckpt / "nowhere"), "x"]) == 2
+    # The sampling flags reach the request: a penalty changes the text, a bad one is exit 2.
+    base = ["generate", "--target", str(ckpt / "t"), "--drafter", str(ckpt / "d"), "--max-tokens", "12", "x y z"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out.splitlines()[0]
+    assert main(base + ["--repetition-penalty", "3", "--presence-penalty", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] != plain
+    assert main(base + ["--frequency-penalty", "5"]) == 2
 
 
 def test_a_prompt_that_is_not_unicode_text_is_refused(ckpt):
