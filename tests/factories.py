@@ -159,3 +159,32 @@ def add_tokenizer(path: Path, vocab_size: int) -> None:
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
     )
     fast.save_pretrained(str(path))
+
+
+def small_engine(root: Path, drafter: bool, async_: bool = False):
+    """An in-process EngineCore on ``make_models``' pair under ``root`` (the
+    padded, graph-shaped path; ``async_``: async steps, synchronous on the CPU)."""
+    from specray.config import EngineConfig
+    from specray.llm import build_engine
+
+    return build_engine(EngineConfig(
+        target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4, num_kv_blocks=300,
+        max_model_len=96, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_,
+    ))
+
+
+def run_engine_to_end(eng, prompts, params, on_output=None, max_steps: int = 500) -> list:
+    """Add every prompt, step until all finish; the final outputs in prompt
+    order. ``on_output`` sees every output of every step."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(p, sp, request_id=str(i))
+    outs = {}
+    for _ in range(max_steps):
+        for o in eng.step():
+            if on_output is not None:
+                on_output(o)
+            if o.finished:
+                outs[o.request_id] = o
+        if not eng.has_unfinished():
+            return [outs[str(i)] for i in range(len(prompts))]
+    raise AssertionError("did not finish")

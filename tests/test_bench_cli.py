@@ -7,14 +7,20 @@ import json
 from factories import add_tokenizer, make_drafter, make_target
 
 
+def models_and_prompts(root, n: int):
+    """A tiny target + drafter under ``root`` and a prompt set of ``n``."""
+    hf = make_target(root / "t", vocab_size=320, seed=4)
+    add_tokenizer(root / "t", 320)
+    make_drafter(root / "d", hf.config, seed=14, block_size=6)
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "a b c d " * (i + 1)}) + "\n" for i in range(n)))
+    return prompts
+
+
 def test_bench_reports_both_engines(tmp_path):
     from specray.bench import main
 
-    hf = make_target(tmp_path / "t", vocab_size=320, seed=4)
-    add_tokenizer(tmp_path / "t", 320)
-    make_drafter(tmp_path / "d", hf.config, seed=14, block_size=6)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "a b c d " * (i + 1)}) + "\n" for i in range(3)))
+    prompts = models_and_prompts(tmp_path, 3)
     out = tmp_path / "r.json"
     argv = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--prompts", str(prompts),
             "--max-tokens", "24", "--batch-size", "2", "--cuda-graphs", "--async-scheduling", "--top-p", "0.9",
@@ -57,11 +63,7 @@ def test_ab_engines_runs_variants_against_the_baseline(tmp_path):
     spec.loader.exec_module(ab)
     assert ab.parse_variant("x:prompt_lookup_min=1,prompt_lookup_agree=false,y=none") == (
         "x", {"prompt_lookup_min": 1, "prompt_lookup_agree": False, "y": None})
-    hf = make_target(tmp_path / "t", vocab_size=320, seed=4)
-    add_tokenizer(tmp_path / "t", 320)
-    make_drafter(tmp_path / "d", hf.config, seed=14, block_size=6)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "a b c d " * (i + 1)}) + "\n" for i in range(2)))
+    prompts = models_and_prompts(tmp_path, 2)
     out = tmp_path / "ab.json"
     argv = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--prompts", str(prompts),
             "--max-tokens", "16", "--passes", "2", "--variant", "off:prompt_lookup_min=0",

@@ -6,9 +6,7 @@ and the asynchronous engine's stays the synchronous one's."""
 import pytest
 import torch
 
-from factories import make_models
-from specray.config import EngineConfig
-from specray.llm import build_engine
+from factories import make_models, run_engine_to_end, small_engine
 from specray.sampling import SamplingParams
 
 
@@ -17,24 +15,7 @@ def models(tmp_path_factory):
     return make_models(tmp_path_factory.mktemp("min_tokens"), seed=4, drafter_seed=14, block_size=6, vocab_size=320)
 
 
-def engine(root, drafter: bool, async_: bool = False):
-    return build_engine(EngineConfig(
-        target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4, num_kv_blocks=300,
-        max_model_len=96, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_,
-    ))
-
-
-def generate(eng, prompts, params):
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(p, sp, request_id=str(i))
-    outs = {}
-    for _ in range(500):
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-        if not eng.has_unfinished():
-            return [outs[str(i)] for i in range(len(prompts))]
-    raise AssertionError("did not finish")
+engine, generate = small_engine, run_engine_to_end
 
 
 def _prompts():
