@@ -734,6 +734,11 @@ class EngineCore:
         delta_text = r.text[r.sent_text_len : max(visible, r.sent_text_len)]
         r.sent_text_len = max(visible, r.sent_text_len)
         delta_ids = r.output_token_ids[r.sent_token_len :]
+        asked = r.params.logprobs is not None
+        # New entries every time, all of them once: a stream's outputs cross
+        # processes (the Ray backend), and the whole list each step would
+        # make a long generation's traffic quadratic.
+        delta_logprobs = r.logprobs[r.sent_token_len :] if asked else None
         r.sent_token_len = len(r.output_token_ids)
         return RequestOutput(
             request_id=r.request_id,
@@ -747,5 +752,6 @@ class EngineCore:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             stop_reason=r.stop_reason,
-            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            delta_logprobs=delta_logprobs,
+            logprobs=list(r.logprobs) if asked and r.finished else None,
         )

@@ -80,8 +80,10 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string hit
     error: str | None = None  # finish_reason "error": the failed step's traceback
-    # One entry per token of ``token_ids`` where ``SamplingParams.logprobs``
-    # asked for them (the new ones are the last ``len(delta_token_ids)``).
+    # Where ``SamplingParams.logprobs`` asked for them: the entries of
+    # ``delta_token_ids`` on every output, and of all of ``token_ids`` on the
+    # finished one (None before it).
+    delta_logprobs: list[TokenLogprobs] | None = None
     logprobs: list[TokenLogprobs] | None = None
 
 

@@ -19,9 +19,18 @@ engine = small_engine
 
 
 def generate(eng, prompts, params):
-    def check(o):  # every output carries the entries of all its tokens so far
-        if o.logprobs is not None:
-            assert len(o.logprobs) == len(o.token_ids)
+    seen: dict[str, list] = {}
+
+    def check(o):  # every output carries its new tokens' entries, the last one all of them
+        if o.delta_logprobs is None:
+            assert o.logprobs is None
+            return
+        assert [e.token_id for e in o.delta_logprobs] == o.delta_token_ids
+        seen.setdefault(o.request_id, []).extend(o.delta_logprobs)
+        if o.finished:
+            assert o.logprobs == seen[o.request_id] and len(o.logprobs) == len(o.token_ids)
+        else:
+            assert o.logprobs is None
 
     return run_engine_to_end(eng, prompts, params, on_output=check)
 

@@ -444,7 +444,7 @@ class LogprobWriter:
     @staticmethod
     def new_entries(out: RequestOutput) -> list[TokenLogprobs]:
         """The entries of ``out``'s new tokens."""
-        return (out.logprobs or [])[len(out.token_ids) - len(out.delta_token_ids):]
+        return out.delta_logprobs or []
 
 
 def completion_response(rid: str, model: str, outs: list[RequestOutput], return_token_ids: bool,
