@@ -367,8 +367,9 @@ def test_penalties_over_http_and_grpc(server):
 def test_n_choices(server):
     """n > 1: n choices, each the in-process engine's output for seed +
     index (vLLM's rule), streamed too (each chunk naming its choice, the
-    usage counting the prompt once); greedy choices are identical; an n
-    the replica could never admit is a 400, and no slot stays taken."""
+    choices side by side, the usage counting the prompt once); greedy
+    choices are identical; an n the replica could never admit is a 400,
+    and no slot stays taken."""
     client = server.client()
     prompt = "The capital of France is"
     kw = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3,
@@ -391,6 +392,9 @@ def test_n_choices(server):
     assert texts == [c.text for c in out.choices]
     assert sum(1 for c in chunks for ch in c.choices if ch.finish_reason) == 3
     assert chunks[-1].usage.completion_tokens == 30
+    # The choices stream side by side (the engine runs them together), not one after another.
+    events = [(ch.index, bool(ch.finish_reason)) for c in chunks for ch in c.choices]
+    assert events.index((2, False)) < events.index((0, True)), events
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, n=2)
     assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message

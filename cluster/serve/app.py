@@ -485,28 +485,38 @@ class SpecRayServer:
     async def _sse(self, writer: P.ChunkWriter, firsts, trackers, leases: list[Lease]):
         for chunk in writer.start():
             yield chunk
-        finals = []
+        finals: dict[int, object] = {}
+        waiting: dict[asyncio.Task, int] = {}  # each unfinished choice's next output
         try:
-            # Choice by choice: the others' outputs wait in their leases' queues.
-            for i, (lease, out, tracker) in enumerate(zip(leases, firsts, trackers)):
-                while True:
-                    tracker.update(out, time.monotonic())
+            ready = list(enumerate(firsts))
+            while True:
+                # The choices advance together, as the engine runs them:
+                # chunks go out in the order their outputs arrive.
+                for i, out in ready:
+                    trackers[i].update(out, time.monotonic())
                     for chunk in writer.delta(i, out):
                         yield chunk
-                    if out.finished:
-                        break
-                    out = await lease.next()
-                if P.finish_reason(out) is None:  # the writer ended the stream with an error event
-                    set_status(leases, 500)
-                    return
-                finals.append(out)
-            for chunk in writer.end(finals):
+                    if not out.finished:
+                        waiting[asyncio.ensure_future(leases[i].next())] = i
+                    elif P.finish_reason(out) is None:  # the writer ended the stream with an error event
+                        set_status(leases, 500)
+                        return
+                    else:
+                        finals[i] = out
+                if not waiting:
+                    break
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                ready = [(waiting.pop(task), task.result()) for task in done]
+            for chunk in writer.end([finals[i] for i in range(len(leases))]):
                 yield chunk
             set_status(leases, 200)
         except RuntimeError as e:  # the engine failed under us
             set_status(leases, 500)
             yield P.sse(P.APIError(500, str(e), "server_error").body())
             yield P.sse("[DONE]")
+        finally:
+            for task in waiting:  # a queue's get is safe to cancel: nothing is lost
+                task.cancel()
 
     # ---------------------------------------------------------------- gRPC
     def _grpc_fail(self, grpc_context, e: P.APIError, endpoint: str):
