@@ -525,20 +525,29 @@ class EngineCore:
         return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
 
     @staticmethod
-    def _verify_rows(s: int, d: DecodeItem, verify_rows: torch.Tensor, uniform_rows: int) -> list[int]:
-        """The logits rows of decode row ``s``'s verify block, in order."""
-        if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1
-            return [s * uniform_rows + j for j in range(d.block_len)]
-        return verify_rows[s, : d.block_len].tolist()
+    def _rows_of(decode, prefill, logit_rows, uniform_rows: int, wants) -> list[tuple[Request, list[int], int | None]]:
+        """``(request, its logits rows, its decode row)`` for each request of
+        the step that ``wants``: a decode row's verify block (row ``j``
+        predicts its output token ``len(output) + j``), a prompt's
+        first-token row (decode row None)."""
+        verify_rows, sample_rows = logit_rows
+        out = []
+        for s, d in enumerate(decode):
+            if wants(d.request):
+                if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1
+                    rows = [s * uniform_rows + j for j in range(d.block_len)]
+                else:
+                    rows = verify_rows[s, : d.block_len].tolist()
+                out.append((d.request, rows, s))
+        for k, r in enumerate(p.request for p in prefill if p.samples_first_token):
+            if wants(r):
+                out.append((r, [int(sample_rows[k])], None))
+        return out
 
     def _penalize(self, decode, prefill, logits, logit_rows, uniform_rows: int, drafts) -> None:
         """Presence / frequency / repetition penalties on the rows of the
         requests that set them (penalties.py)."""
-        verify_rows, sample_rows = logit_rows
-        groups = [(d.request, self._verify_rows(s, d, verify_rows, uniform_rows), s)
-                  for s, d in enumerate(decode) if d.request.params.penalized]
-        groups += [(r, [int(sample_rows[k])], None)
-                   for k, r in enumerate(p.request for p in prefill if p.samples_first_token) if r.params.penalized]
+        groups = self._rows_of(decode, prefill, logit_rows, uniform_rows, lambda r: r.params.penalized)
         penalize(logits, groups, drafts.tokens if drafts is not None else None)
 
     def _mask_early_stops(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> None:
@@ -547,23 +556,12 @@ class EngineCore:
         verification then accepts, and samples, what an autoregressive step
         under the same mask would."""
         vocab = logits.shape[-1]
-        verify_rows, sample_rows = logit_rows
         rows, cols = [], []
-
-        def mask(masked_rows: list[int], r: Request) -> None:
+        for r, r_rows, _ in self._rows_of(decode, prefill, logit_rows, uniform_rows, lambda r: r.min_tokens_left):
             stops = [t for t in sorted(r.stop_token_ids) if 0 <= t < vocab]
-            for row in masked_rows:
+            for row in r_rows[: r.min_tokens_left]:
                 rows.extend([row] * len(stops))
                 cols.extend(stops)
-
-        for s, d in enumerate(decode):
-            # Verify row j predicts output token len(output) + j.
-            if early := min(d.request.min_tokens_left, d.block_len):
-                mask(self._verify_rows(s, d, verify_rows, uniform_rows)[:early], d.request)
-        firsts = [p.request for p in prefill if p.samples_first_token]
-        for k, r in enumerate(firsts):
-            if r.min_tokens_left:
-                mask([int(sample_rows[k])], r)
         if rows:
             rows_cols = host_to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
             with torch.inference_mode():  # the workers' outputs are inference tensors
@@ -573,15 +571,8 @@ class EngineCore:
     def _logprob_rows(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> LogprobRows | None:
         """The log-softmax rows of the requests that asked for log
         probabilities, taken before the min_tokens mask (raw logprobs)."""
-        verify_rows, sample_rows = logit_rows
-        wanted = []
-        for s, d in enumerate(decode):
-            if d.request.params.logprobs is not None:
-                wanted.append((d.request, self._verify_rows(s, d, verify_rows, uniform_rows)))
-        for k, r in enumerate(p.request for p in prefill if p.samples_first_token):
-            if r.params.logprobs is not None:
-                wanted.append((r, [int(sample_rows[k])]))
-        return LogprobRows.take(logits, wanted)
+        wanted = self._rows_of(decode, prefill, logit_rows, uniform_rows, lambda r: r.params.logprobs is not None)
+        return LogprobRows.take(logits, [(r, rows) for r, rows, _ in wanted])
 
     @staticmethod
     def _read_logprobs(rows: LogprobRows, decode, prefill, results) -> dict:
