@@ -607,7 +607,7 @@ class SpecRayServer:
                     tracker.update(out, time.monotonic())
                     msg = pb.GenerateResponse(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
                                               finished=out.finished)
-                    for e in P.LogprobWriter.new_entries(out):
+                    for e in out.delta_logprobs or ():
                         msg.logprobs.add(token_id=e.token_id, logprob=e.logprob,
                                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
                     if out.finished:

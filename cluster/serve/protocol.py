@@ -441,11 +441,6 @@ class LogprobWriter:
         return {"tokens": tokens, "token_logprobs": [self._value(e.logprob) for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    @staticmethod
-    def new_entries(out: RequestOutput) -> list[TokenLogprobs]:
-        """The entries of ``out``'s new tokens."""
-        return out.delta_logprobs or []
-
 
 def completion_response(rid: str, model: str, outs: list[RequestOutput], return_token_ids: bool,
                         logprobs: list[LogprobWriter | None]) -> dict:
@@ -523,7 +518,7 @@ class ChunkWriter:
         carries its finish reason and speculative figures. A choice that
         ended early gets an error event, and the stream ends there."""
         chunks = []
-        entries = LogprobWriter.new_entries(out) if self.logprobs[index] else None
+        entries = out.delta_logprobs if self.logprobs[index] else None
         if not out.finished:
             if self._has_news(index, out):
                 chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
