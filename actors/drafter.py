@@ -13,7 +13,15 @@ from specray.actors.target import allocated_bytes, resolve_device
 from specray.actors.weights import Checkpoint, CheckpointError, torch_dtype
 from specray.config import DrafterSpec, TargetSpec
 from specray.plan import DraftBatch, DraftOutput
+from specray.draft_tree import DraftTree, TreeUniverse, build
 from specray.sampling import sample_draft_tokens
+
+
+def draft_tree_of(logits: torch.Tensor, universe: TreeUniverse) -> tuple[torch.Tensor, DraftTree]:
+    """A tree of ``G`` nodes per row from the drafter's logits ``[S, G, V]``."""
+    top = logits.topk(universe.top_k, dim=-1)
+    top_logprobs = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+    return build(top_logprobs, top.indices, universe, logits.shape[1])
 
 
 def load_shared_head(target: TargetSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +64,7 @@ class DrafterWorker:
         self.context_graphs: DecodeGraphs | None = None
         self.draft_block = spec.block_size
         self.max_model_len = max_model_len
+        self.tree: TreeUniverse | None = None  # set where blocks may hold draft trees
 
     def enable_decode_graphs(self, max_seqs: int, block_size: int, draft_block: int) -> None:
         """Capture batched propose (up to the draft logits) of blocks of
@@ -163,5 +172,8 @@ class DrafterWorker:
                 self.kv_cache,
             )
             logits = self.model.logits(hidden[:, 1:])
+        if batch.tree and self.tree is not None:
+            tokens, tree = draft_tree_of(logits, self.tree)
+            return DraftOutput(tokens, None, None, tree)
         tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), self.draft_top_k)
         return DraftOutput(tokens, idx, q)

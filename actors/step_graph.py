@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from specray.actors.drafter import draft_tree_of
 from specray.actors.graphs import DecodeGraphs
+from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, move_kv, path_tokens, row_depths, row_masks
 from specray.kernels.ops import accept_advance, argmax, block_inputs, lookup_drafts
 from specray.plan import AttentionMetadata
 from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens, verify
@@ -34,7 +36,7 @@ from specray.sampling import SamplingTensors, position_uniforms, sample_draft_to
 def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_size: int,
                       mask_token_id: int | None, lookup: tuple[int, int] | None = None,
                       lookup_agree: bool = False, sampling: str = "greedy", draft_top_k: int = 64,
-                      shared: dict[str, torch.Tensor] | None = None) -> DecodeGraphs:
+                      shared: dict[str, torch.Tensor] | None = None, tree: TreeUniverse | None = None) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (a TargetWorker,
     TP 1) and ``drafter`` (a DrafterWorker or None). Inputs: ``start`` and
     ``last`` (a first step only), ``real`` (1 for the batch's rows),
@@ -55,7 +57,12 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
 
     ``shared``: input buffers of the other sampling kinds' graphs, reused
     by name (one chain runs at a time, and a chain's first step uploads
-    every input), so the token history and tables exist once."""
+    every input), so the token history and tables exist once.
+
+    ``tree`` (greedy graphs with a drafter): blocks hold draft trees chosen
+    from this universe (draft_tree.py) instead of chains and lookups; the
+    accepted nodes' target K/V move to their positions' slots in the same
+    replay."""
     dev, B, G = target.device, block_size, block_size - 1
     width = -(-(target.max_model_len + 2 * B) // kv_block_size)
     bufs = {
@@ -85,6 +92,7 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     greedy = SamplingTensors(temperature=torch.zeros(0), top_p=torch.zeros(0), top_k=torch.zeros(0, dtype=torch.int64),
                              uniforms=torch.zeros(3, 0, 0, dtype=torch.float64), all_greedy=True)
     taps = target.tap_layer_ids if drafter is not None else ()
+    use_tree = tree is not None and drafter is not None and sampling == "greedy"
 
     def sampling_tensors(n: int, start: torch.Tensor) -> SamplingTensors:
         if sampling == "greedy":
@@ -103,26 +111,43 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         blk = block_inputs(start, last, budget, tables, d_tables, B, kv_block_size, mask_token_id or 0)
         st = sampling_tensors(n, start)
         draft_idx = draft_q = history = history_rows = None
+        positions, tree_mask, shape = blk.positions, None, None
         if drafter is not None:
             hidden = drafter.model.propose_hidden(blk.block_ids, start, blk.block_len, d_tables,
                                                   drafter.max_model_len, drafter.kv_cache, blk.positions)
-            drafts, draft_idx, draft_q = sample_draft_tokens(drafter.model.logits(hidden[:, 1:]), st, draft_top_k)
+            draft_logits = drafter.model.logits(hidden[:, 1:])
             if lookup:
                 history, history_rows = bufs["history"], bufs["slot"][:n]
+            if use_tree:
+                drafts, shape = draft_tree_of(draft_logits, tree)
+                input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
+                positions = start[:, None] + row_depths(shape)
+                tree_mask = row_masks(shape).reshape(-1)
+            else:
+                drafts, draft_idx, draft_q = sample_draft_tokens(draft_logits, st, draft_top_k)
+            if lookup and not use_tree:
                 greedy_rows = None if sampling == "greedy" else st.temperature == 0
                 input_ids, drafts, looked_up = lookup_drafts(history, history_rows, blk.known_lens, blk.block_len,
                                                              greedy_rows, drafts, last, lookup[0], lookup[1],
                                                              lookup_agree)
-            else:
+            elif not use_tree:
                 input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
         else:
             drafts, looked_up = no_drafts[:n], no_lookups[:n]
             input_ids = last[:, None]
-        attn = AttentionMetadata(blk.positions.reshape(-1), blk.target_slots.reshape(-1), query_start_loc[: n + 1],
-                                 blk.seq_lens, tables, B, target.max_model_len + 2 * B)
+        attn = AttentionMetadata(positions.reshape(-1), blk.target_slots.reshape(-1), query_start_loc[: n + 1],
+                                 blk.seq_lens, tables, B, target.max_model_len + 2 * B, tree_mask)
         logits, hidden_tapped = target.model.forward(input_ids.reshape(-1), attn, target.kv_cache,
                                                      logits_indices=slice(None), tap_layer_ids=taps)
-        if sampling == "greedy":  # the acceptance is the argmax's: the glue kernel does it
+        tree_slots = None
+        if use_tree:
+            acc = accept_greedy(argmax(logits.view(n, B, -1)), drafts, shape, blk.block_len - 1)
+            move_kv(target.kv_cache, *kv_moves(blk.target_slots, acc.path_rows))
+            # Each kept row's context goes to its depth's slot.
+            tree_slots = torch.where(acc.row_kept, blk.draft_slots.gather(1, row_depths(shape)), 0)
+            drafts = path_tokens(drafts, acc.path_rows)
+            target_argmax, num_accepted, bonus = None, acc.num_accepted, acc.bonus
+        elif sampling == "greedy":  # the acceptance is the argmax's: the glue kernel does it
             target_argmax, num_accepted, bonus = argmax(logits.view(n, B, -1)), None, None
         else:
             res = verify(logits.view(n, B, -1), drafts, blk.block_len - 1, st, draft_idx, draft_q)
@@ -130,7 +155,9 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
         out, context_slots = accept_advance(target_argmax, num_accepted, bonus, drafts, blk.block_len, looked_up,
                                             blk.draft_slots, start, last, budget, real, history, history_rows)
         if drafter is not None:
-            drafter.model.store_context(hidden_tapped, blk.positions.reshape(-1), context_slots.reshape(-1),
+            if tree_slots is not None:
+                context_slots = tree_slots
+            drafter.model.store_context(hidden_tapped, positions.reshape(-1), context_slots.reshape(-1),
                                         drafter.kv_cache)
         return (out,)
 

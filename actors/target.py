@@ -9,6 +9,7 @@ import torch
 
 from specray.actors.graphs import DecodeGraphs
 from specray.actors.kv_cache import allocate_kv_cache
+from specray.draft_tree import move_kv
 from specray.actors.models.layers import TPContext
 from specray.actors.models.qwen3 import TargetModel
 from specray.actors.weights import Checkpoint, torch_dtype
@@ -95,7 +96,7 @@ class TargetWorker:
         )
 
     def _static_forward(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool,
-                        one_logits_row: bool):
+                        one_logits_row: bool, tree: bool = False):
         """Static buffers for ``max_seqs`` sequences of ``q_len`` rows each
         and the forward over the first ``n`` of them: logits for every row,
         or with ``one_logits_row`` for the row of each sequence that its
@@ -114,6 +115,9 @@ class TargetWorker:
         if one_logits_row:
             bufs["logits_index"] = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
             per_seq["logits_index"] = 1
+        if tree:
+            bufs["tree_mask"] = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+            per_seq["tree_mask"] = q_len
         query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int64, device=dev)
         taps = self.tap_layer_ids if (want_hidden and self.is_driver) else ()
 
@@ -121,6 +125,7 @@ class TargetWorker:
             attn = AttentionMetadata(
                 bufs["positions"][: n * q_len], bufs["slot_mapping"][: n * q_len], query_start_loc[: n + 1],
                 bufs["seq_lens"][:n], bufs["block_tables"][:n], q_len, self.max_model_len + q_len,
+                bufs["tree_mask"][: n * q_len] if tree else None,
             )
             logits_rows = bufs["logits_index"][:n] if one_logits_row else slice(None)
             return self.model.forward(bufs["input_ids"][: n * q_len], attn, self.kv_cache,
@@ -129,14 +134,17 @@ class TargetWorker:
 
         return bufs, per_seq, forward
 
-    def enable_decode_graphs(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool) -> None:
+    def enable_decode_graphs(self, q_len: int, max_seqs: int, block_size: int, want_hidden: bool,
+                             tree: bool = False) -> None:
         """Capture decode steps of ``q_len`` rows per sequence (the verify
-        block) in CUDA graphs, for up to ``max_seqs`` sequences."""
+        block) in CUDA graphs, for up to ``max_seqs`` sequences; with
+        ``tree``, blocks may hold draft trees (``attn.tree_mask``)."""
         dev = self.device
-        bufs, per_seq, forward = self._static_forward(q_len, max_seqs, block_size, want_hidden, one_logits_row=False)
+        bufs, per_seq, forward = self._static_forward(q_len, max_seqs, block_size, want_hidden, one_logits_row=False,
+                                                      tree=tree)
         # Dummy sequences: q_len rows at positions 0.., writing into block 0.
         pad = {"input_ids": 0, "positions": torch.arange(q_len, device=dev).repeat(max_seqs),
-               "slot_mapping": 0, "seq_lens": q_len, "block_tables": 0}
+               "slot_mapping": 0, "seq_lens": q_len, "block_tables": 0, "tree_mask": -1}
         self.graphs = DecodeGraphs(forward, bufs, per_seq, pad, max_seqs, dev)
         self.graph_q_len = q_len
 
@@ -222,13 +230,23 @@ class TargetWorker:
     def _execute_graph(self, batch: TargetBatch) -> torch.Tensor | None:
         a = batch.attn
         n = a.seq_lens.shape[0]
-        logits, hidden = self.graphs.run(n, {
-            "input_ids": batch.input_ids, "positions": a.positions, "slot_mapping": a.slot_mapping,
-            "seq_lens": a.seq_lens, "block_tables": a.block_tables,
-        })
+        inputs = {"input_ids": batch.input_ids, "positions": a.positions, "slot_mapping": a.slot_mapping,
+                  "seq_lens": a.seq_lens, "block_tables": a.block_tables}
+        if "tree_mask" in self.graphs.buffers:  # no rows given: all padding (-1, causal)
+            inputs["tree_mask"] = a.tree_mask if a.tree_mask is not None else self._no_tree
+        elif a.tree_mask is not None:
+            raise ValueError("a draft tree reached decode graphs captured without tree masks")
+        logits, hidden = self.graphs.run(n, inputs)
         rows = n * self.graph_q_len
         self.last_hidden = hidden[:rows] if hidden is not None else None
         return logits[:rows] if logits is not None else None
+
+    _no_tree = torch.zeros(0, dtype=torch.int32)
+
+    def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the cache's K/V at ``src_slots`` to ``dst_slots`` in every
+        layer (a draft tree's accepted nodes to their positions' slots)."""
+        move_kv(self.kv_cache, host_to_device(src_slots, self.device), host_to_device(dst_slots, self.device))
 
     def hidden_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Tapped hidden states ``[n, k*H]`` of the given rows of the last

@@ -345,7 +345,7 @@ class TargetRank:
 
             enable_decode_graphs(self.config, core.block_size, self.worker,
                                  drafter if drafter_mode == "colocated" else None,
-                                 want_hidden=drafter is not None)
+                                 want_hidden=drafter is not None, tree=core.tree is not None)
 
         def on_stop():
             target.stop()

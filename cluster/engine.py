@@ -38,6 +38,7 @@ from specray.detokenizer import (
     max_prompt_chars,
     stop_holdback,
 )
+from specray.kernels import ops
 from specray.logprobs import LogprobRows
 from specray.penalties import penalize
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
@@ -79,18 +80,25 @@ def _token_ids(prompt) -> list[int]:
 class AcceptedOnDevice:
     """A synchronous step's results, being copied to the host."""
 
-    host: torch.Tensor  # [2S + S*G + P]: accepted counts, bonus tokens, drafts, first tokens
+    host: torch.Tensor  # [2S + S*G (+ S*G) + P]: accepted counts, bonus tokens, drafts, (path rows,) first tokens
     ready: torch.cuda.Event | None
     S: int  # decode rows
     G: int  # drafts a row
     first_tokens: torch.Tensor | None  # [P] on the device: first tokens of the prompts this step finished
+    tree: bool = False  # draft trees: the drafts are the accepted paths', their block rows follow
+    path_rows: list[list[int]] | None = None  # set by read() for trees
 
     def read(self) -> tuple[list[int], list[int], list[list[int]], list[int]]:
         if self.ready is not None:
             self.ready.synchronize()
         host, S, G = self.host.tolist(), self.S, self.G
         drafts = host[2 * S : 2 * S + S * G]
-        return host[:S], host[S : 2 * S], [drafts[s * G : (s + 1) * G] for s in range(S)], host[2 * S + S * G :]
+        end = 2 * S + S * G
+        if self.tree:
+            rows = host[end : end + S * G]
+            self.path_rows = [rows[s * G : (s + 1) * G] for s in range(S)]
+            end += S * G
+        return host[:S], host[S : 2 * S], [drafts[s * G : (s + 1) * G] for s in range(S)], host[end:]
 
 
 class EngineCore:
@@ -152,6 +160,7 @@ class EngineCore:
         self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
         self.num_async_steps = 0
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
+        self.tree = self._tree_universe()
 
     # ----------------------------------------------------------- admission
     def add_request(
@@ -267,12 +276,13 @@ class EngineCore:
 
         drafts = lookup = None
         if self.drafter is not None and decode:
-            lookup = self._lookup_drafts(decode)
+            tree = self._tree_step(decode)
+            lookup = [[] for _ in decode] if tree else self._lookup_drafts(decode)
             # A step where every request has a lookup draft skips the
             # drafter, unless lookups need its agreement.
             if self.config.prompt_lookup_agree or not all(lookup):
                 draft_batch = self._draft_batch(decode, st_cpu if getattr(self.drafter, "packs_host_batch", False)
-                                                else st_dev)
+                                                else st_dev, tree)
                 self._sync()
                 t = time.perf_counter()
                 drafts = self.drafter.propose(draft_batch)
@@ -292,6 +302,8 @@ class EngineCore:
             else:
                 dst, src = host_to_device(draft_dst, self.device), host_to_device(draft_src, self.device)
                 batch.input_ids[dst] = drafts.tokens.reshape(-1)[src]
+            if drafts.tree is not None:
+                self._place_tree(batch, drafts.tree, draft_dst, draft_src)
         self._sync()
         t = time.perf_counter()
         logits = self.target.execute(batch)
@@ -301,7 +313,7 @@ class EngineCore:
         self._sync()
         stats.verify = time.perf_counter() - t
 
-        accepted = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch.uniform_rows)
+        accepted = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch)
         # Prompts that finished here may start their chain of asynchronous
         # steps now, from their first tokens on the device (async_decode.py).
         chain = chain_from_prefill(self, plan, accepted.first_tokens) if accepted.first_tokens is not None else None
@@ -309,7 +321,8 @@ class EngineCore:
         if lookup is not None:
             self._count_lookups(decode, lookup, results[2])
         logprobs = self._read_logprobs(logprob_rows, decode, plan.prefill, results) if logprob_rows else {}
-        outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None, logprobs=logprobs)
+        outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None, logprobs=logprobs,
+                              path_rows=accepted.path_rows)
         if chain is not None:
             self.num_prefill_chains += 1
             if not all(r.finished for r in chain.requests):
@@ -317,6 +330,54 @@ class EngineCore:
         stats.total = time.perf_counter() - t0
         self.last_step = stats
         return outputs
+
+    # ----------------------------------------------------------- draft trees
+    def _tree_universe(self):
+        """The rank paths draft trees are chosen from (draft_tree.py), or None
+        where blocks stay chains."""
+        if self.drafter is None or self.config.draft_tree is False:
+            return None
+        reason = None
+        if not all(getattr(w, "local_model", False) for w in (self.target, self.drafter)):
+            reason = "needs the target (TP 1) and the drafter in one process"
+        elif any(self.target_spec.layer_window):
+            reason = "is not built for sliding-window attention"
+        elif self.block_size > 32:
+            reason = f"handles blocks of at most 32 rows, not {self.block_size}"
+        elif self.block_size < 3:
+            reason = "needs at least two drafts a block"
+        if reason:
+            if self.config.draft_tree:
+                raise ConfigError(f"draft_tree {reason}")
+            return None
+        from specray.draft_tree import load_universe
+
+        universe = load_universe(self.drafter_spec.path, self.block_size - 1).to(self.device)
+        self.drafter.tree = universe
+        return universe
+
+    def _tree_step(self, decode: list[DecodeItem]) -> bool:
+        """Whether this step's blocks hold draft trees: every row greedy, and
+        none needing what walks a chain's rows (min_tokens' mask, log
+        probabilities, penalties)."""
+        return self.tree is not None and all(
+            r.params.greedy and not r.min_tokens_left and r.params.logprobs is None and not r.params.penalized
+            for r in (d.request for d in decode))
+
+    def _place_tree(self, batch, tree, draft_dst: torch.Tensor, draft_src: torch.Tensor) -> None:
+        """Positions (the anchor's plus each node's depth) and attention
+        masks (ancestors only) of the drafted rows."""
+        from specray.draft_tree import row_masks
+
+        dev, G = self.device, tree.depth.shape[1]
+        attn = batch.attn
+        anchor = attn.positions[draft_dst] - draft_src % G - 1  # host: row j sits at anchor + j
+        dst, src = host_to_device(draft_dst, dev), host_to_device(draft_src, dev)
+        attn.positions = host_to_device(attn.positions, dev)
+        attn.positions[dst] = host_to_device(anchor, dev) + tree.depth.reshape(-1)[src]
+        mask = torch.full(batch.input_ids.shape, -1, dtype=torch.int32, device=dev)
+        mask[dst] = row_masks(tree)[:, 1:].reshape(-1)[src]
+        attn.tree_mask = mask
 
     # ------------------------------------------------------ asynchronous steps
     def _async_eligible(self, plan) -> bool:
@@ -353,6 +414,7 @@ class EngineCore:
                 lookup=(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
                 if self.config.prompt_lookup_min else None, lookup_agree=self.config.prompt_lookup_agree,
                 sampling=sampling, draft_top_k=self.config.draft_top_k, shared=self._step_buffers,
+                tree=self.tree if sampling == "greedy" else None,
             )
         return self._step_graphs[sampling]
 
@@ -442,7 +504,7 @@ class EngineCore:
             taken = not agree or not d.request.params.greedy or tokens[:1] == found[:1]
             d.request.metrics.num_lookup_steps += bool(found) and taken
 
-    def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors) -> DraftBatch:
+    def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors, tree: bool = False) -> DraftBatch:
         B = self.block_size
         mask = self.drafter_spec.mask_token_id
         block_ids = torch.full((len(decode), B), mask, dtype=torch.int64)
@@ -455,6 +517,7 @@ class EngineCore:
             block_tables=block_table_tensor([d.request.draft_blocks.blocks for d in decode]),
             max_ctx_len=max(ctx),
             sampling=st,
+            tree=tree,
         )
 
     def _target_batch(self, decode: list[DecodeItem], prefill: list[PrefillItem]):
@@ -586,7 +649,7 @@ class EngineCore:
             emitted[p.request.request_id] = [first]
         return rows.read([emitted[r.request_id] for r in rows.requests])
 
-    def _accept(self, decode, prefill, logits, logit_rows, drafts, st, uniform_rows: int = 0) -> "AcceptedOnDevice":
+    def _accept(self, decode, prefill, logits, logit_rows, drafts, st, batch) -> "AcceptedOnDevice":
         """Accepted counts, emitted bonus tokens and first tokens of
         finished prefills, on their way to the host in one transfer."""
         dev = logits.device
@@ -594,7 +657,11 @@ class EngineCore:
         parts = []
         S = len(decode)
         G = verify_rows.shape[1] - 1 if S else 0
-        if S:
+        tree = S and drafts is not None and drafts.tree is not None
+        if tree:
+            G = drafts.tokens.shape[1]
+            parts += self._accept_tree(decode, logits, verify_rows, drafts, batch)
+        elif S:
             num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
             if drafts is not None:
                 draft_tokens = drafts.tokens[:, :G].to(dev)
@@ -602,8 +669,8 @@ class EngineCore:
                 q = drafts.draft_q[:, :G].to(dev) if drafts.draft_q is not None else None
             else:
                 draft_tokens, idx, q = torch.zeros(S, 0, dtype=torch.long, device=dev), None, None
-            if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
-                target_logits = logits.view(S, uniform_rows, -1)[:, : G + 1]
+            if batch.uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
+                target_logits = logits.view(S, batch.uniform_rows, -1)[:, : G + 1]
             else:
                 target_logits = logits[host_to_device(verify_rows, dev)]
             res = verify(target_logits, draft_tokens, num_drafts, st, idx, q)
@@ -621,13 +688,43 @@ class EngineCore:
         # Copied out before anything else is enqueued: the host waits for
         # this step's results only, not for a chain launched after it.
         host, ready = self.result_buffers.fetch(flat) if flat.is_cuda else (flat, None)
-        return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None)
+        return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None, tree=bool(tree))
+
+    def _accept_tree(self, decode, logits, verify_rows, drafts, batch) -> list[torch.Tensor]:
+        """Greedy acceptance over draft trees; the accepted nodes' target K/V
+        move to their positions' slots. Returns the device parts of the
+        results: accepted counts, bonus tokens, the paths' drafts and block
+        rows."""
+        from specray.draft_tree import accept_greedy, kv_moves, path_tokens
+
+        dev, S = logits.device, len(decode)
+        B = drafts.tokens.shape[1] + 1
+        if batch.uniform_rows:
+            target_logits = logits.view(S, batch.uniform_rows, -1)[:, :B]
+        else:
+            target_logits = logits[host_to_device(verify_rows, dev)]
+        target_argmax = ops.argmax(target_logits)
+        if target_argmax.shape[1] < B:  # rows past every block: no real node has its parent there
+            target_argmax = torch.nn.functional.pad(target_argmax, (0, B - target_argmax.shape[1]))
+        num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
+        acc = accept_greedy(target_argmax, drafts.tokens, drafts.tree, num_drafts)
+        # Block row j of sequence s is token query_start_loc[s] + j; rows past
+        # a cut-short block stand for its row 0 (they only copy onto themselves).
+        j = torch.arange(B)
+        lens = torch.tensor([d.block_len for d in decode])
+        rows = batch.attn.query_start_loc[:S, None] + torch.where(j[None] < lens[:, None], j[None], 0)
+        row_slots = host_to_device(batch.attn.slot_mapping[rows], dev)
+        self.target.move_kv(*kv_moves(row_slots, acc.path_rows))
+        return [acc.num_accepted, acc.bonus, path_tokens(drafts.tokens, acc.path_rows).reshape(-1),
+                acc.path_rows.reshape(-1)]
 
     def _apply(self, decode, prefill, results, batch, chained: bool = False,
-               logprobs: dict | None = None) -> list[RequestOutput]:
+               logprobs: dict | None = None, path_rows: list[list[int]] | None = None) -> list[RequestOutput]:
         """``chained``: the prompts' first decode step is in flight
         (``chain_from_prefill``), their context stored already.
-        ``logprobs``: the emitted tokens' entries of the requests that asked."""
+        ``logprobs``: the emitted tokens' entries of the requests that asked.
+        ``path_rows``: with draft trees, the block rows of each row's
+        accepted nodes, by depth."""
         logprobs = logprobs or {}
         n_acc, bonus, drafts, firsts = results
         outputs: list[RequestOutput] = []
@@ -644,12 +741,20 @@ class EngineCore:
                                       logprobs=logprobs.get(r.request_id)))
             kept = 0 if r.finished else a + 1
             if self.drafter is not None:
-                ctx_rows.extend(range(row, row + kept))
-                ctx_pos.extend(range(start, start + kept))
-                ctx_slots.extend(r.draft_blocks.slots(start, start + kept))
+                # The block rows of the anchor and the accepted drafts, in
+                # position order (a draft tree's accepted path).
+                kept_rows = list(range(kept)) if path_rows is None else ([0] + path_rows[s][:a])[:kept]
+                slots = r.draft_blocks.slots(start, start + kept)
                 if whole:
-                    ctx_pos.extend(range(start + kept, start + uniform))
-                    ctx_slots.extend([0] * (uniform - kept))
+                    pos, row_slots = list(range(start, start + uniform)), [0] * uniform
+                    for k, j in enumerate(kept_rows):
+                        pos[j], row_slots[j] = start + k, slots[k]
+                    ctx_pos.extend(pos)
+                    ctx_slots.extend(row_slots)
+                else:
+                    ctx_rows.extend(row + j for j in kept_rows)
+                    ctx_pos.extend(range(start, start + kept))
+                    ctx_slots.extend(slots)
             row += uniform or d.block_len
         first_iter = iter(firsts)
         for p in prefill:

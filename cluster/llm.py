@@ -95,15 +95,18 @@ def build_engine(config: EngineConfig) -> EngineCore:
         num_draft_blocks=num_draft_blocks,
     )
     if config.cuda_graphs:
-        enable_decode_graphs(config, core.block_size, target, drafter)
+        enable_decode_graphs(config, core.block_size, target, drafter, tree=core.tree is not None)
     return core
 
 
-def enable_decode_graphs(config: EngineConfig, block_size: int, target, local_drafter, want_hidden: bool | None = None):
+def enable_decode_graphs(config: EngineConfig, block_size: int, target, local_drafter, want_hidden: bool | None = None,
+                         tree: bool = False):
     """Static decode buffers (and CUDA graphs on CUDA) for the target and a
-    drafter living in the same process."""
+    drafter living in the same process (``tree``: verify blocks may hold
+    draft trees)."""
     want_hidden = local_drafter is not None if want_hidden is None else want_hidden
-    target.enable_decode_graphs(block_size, config.max_num_seqs, config.kv_block_size, want_hidden=want_hidden)
+    target.enable_decode_graphs(block_size, config.max_num_seqs, config.kv_block_size, want_hidden=want_hidden,
+                                tree=tree)
     target.enable_prefill_graphs(config.kv_block_size, config.max_num_batched_tokens, want_hidden=want_hidden)
     if local_drafter is not None:
         local_drafter.enable_decode_graphs(config.max_num_seqs, config.kv_block_size, block_size)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.draft_tree import DraftTree
 from specray.sampling import SamplingTensors
 
 
@@ -26,6 +27,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+    # [num_tokens] int32, draft trees (draft_tree.py): bit j of a row lets it
+    # see row j of its sequence's new rows; -1 is plain causal. A row's
+    # position is then its depth in the tree, not its index.
+    tree_mask: torch.Tensor | None = None
 
     def to(self, device) -> "AttentionMetadata":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -37,6 +42,7 @@ class AttentionMetadata:
             move(self.block_tables),
             self.max_query_len,
             self.max_seq_len,
+            None if self.tree_mask is None else move(self.tree_mask),
         )
 
 
@@ -74,6 +80,7 @@ class DraftBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int32, drafter context pool
     max_ctx_len: int
     sampling: SamplingTensors
+    tree: bool = False  # draft a tree per row (draft_tree.py): greedy rows only
 
 
 @dataclass
@@ -81,3 +88,4 @@ class DraftOutput:
     tokens: torch.Tensor  # [S, B-1] int64
     draft_idx: torch.Tensor | None  # [S, B-1, K] when any row samples
     draft_q: torch.Tensor | None  # [S, B-1, K]
+    tree: "DraftTree | None" = None  # with tree drafts: tokens are the nodes' (draft_tree.py)

@@ -62,6 +62,7 @@ def paged_attention_ref(
     max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, q_heads, head_dim]`` over the
     paged cache.
@@ -70,6 +71,10 @@ def paged_attention_ref(
     those are its last ``q_len`` positions, so row ``i`` sits at absolute
     position ``seq_lens[s] - q_len + i`` and sees keys ``<=`` that position.
     The cache must already hold the K/V of the query tokens.
+
+    ``tree_mask`` ``[num_tokens]`` int32 narrows what a row sees among its
+    sequence's new rows to those whose bit is set (a draft tree's anchor
+    and ancestors: draft_tree.py); -1 leaves it causal.
     """
     num_tokens, q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -90,6 +95,12 @@ def paged_attention_ref(
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos < seq_lens[:, None])[:, None, :]
     if sliding_window is not None:
         visible &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
+    if tree_mask is not None:
+        bits = torch.full((num_seqs, max_query_len), -1, dtype=torch.int64, device=device)
+        bits[seq_of_token, row_of_token] = tree_mask.long()
+        j = k_pos[:, None, :] - (seq_lens - q_lens)[:, None, None]  # key's index among the new rows
+        seen = ((bits[:, :, None] >> j.clamp(0, 31)) & 1).bool() | (bits[:, :, None] == -1)
+        visible &= (j < 0) | seen
 
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),

@@ -145,14 +145,14 @@ _RUNTIME_INTS = ["window", "num_rows", "num_splits"]  # no recompiles per value
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _paged_attention_kernel(
     q_ptr, k_cache, v_cache, out_ptr, part_acc, part_m, part_l,
-    query_start_loc, seq_lens, block_tables,
+    query_start_loc, seq_lens, block_tables, tree_mask,
     qk_scale, window, num_rows, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -181,6 +181,8 @@ def _paged_attention_kernel(
     q_tok = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + (q_tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_TREE:  # bit j: the row sees new row j (draft trees); -1: causal
+        tree_bits = tl.load(tree_mask + q_tok, mask=row_ok, other=-1)
 
     # keys this tile can see: [lo, hi), causal to the tile's last row
     hi = ctx_len + tl.minimum(t0 + BLOCK_Q, q_len)
@@ -202,6 +204,10 @@ def _paged_attention_kernel(
         visible = kv_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - kpos[None, :] < window)
+        if HAS_TREE:
+            j = kpos - ctx_len
+            seen = ((tree_bits[:, None] >> tl.minimum(tl.maximum(j, 0), 31)[None, :]) & 1) != 0
+            visible = visible & ((j < 0)[None, :] | seen | (tree_bits == -1)[:, None])
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
 
     out_row = q_tok * Q_HEADS + head
@@ -364,7 +370,7 @@ def _combine(out, parts, num_splits, num_rows, head_dim, block_d):
 
 def paged_attention(
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-    max_query_len, max_seq_len, scale, sliding_window=None, *, num_splits=None,
+    max_query_len, max_seq_len, scale, sliding_window=None, tree_mask=None, *, num_splits=None,
 ):
     """Triton twin of ``attention.paged_attention_ref`` (same arguments;
     ``num_splits`` overrides the KV-split heuristic)."""
@@ -386,11 +392,11 @@ def paged_attention(
     parts = _partials(ns, num_rows, head_dim, q.device)
     _paged_attention_kernel[(n_qt, num_seqs, kv_heads * ns)](
         q, k_cache, v_cache, out, *parts,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, tree_mask if tree_mask is not None else seq_lens,
         float(scale) * _LOG2E, int(sliding_window or 0), num_rows, ns,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HAS_WINDOW=sliding_window is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_TREE=tree_mask is not None,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
         SPLIT=ns > 1, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=2,

@@ -34,10 +34,10 @@ def _fused_ok(x: torch.Tensor) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                    max_query_len, max_seq_len, scale, sliding_window=None):
+                    max_query_len, max_seq_len, scale, sliding_window=None, tree_mask=None):
     fn = _triton.paged_attention if _triton is not None and q.is_cuda else paged_attention_ref
     return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-              max_query_len, max_seq_len, scale, sliding_window)
+              max_query_len, max_seq_len, scale, sliding_window, tree_mask)
 
 
 def dflash_block_attention(q, k_block, v_block, k_cache, v_cache, ctx_lens, block_tables,

@@ -181,6 +181,7 @@ class TargetModel:
                 attn.max_seq_len,
                 self.scale,
                 layer.window,
+                attn.tree_mask,
             )
             h = self.tp.all_reduce(F.linear(o.reshape(-1, nq * D), layer.o_proj))
             if layer.o_bias is not None:

@@ -1,0 +1,230 @@
+"""Draft trees: several continuations verified in one block.
+
+DFlash's drafter gives, in one pass, a distribution for every position of
+the block. A chain verifies the argmax of each; most of its rows are
+wasted (past the fourth draft hardly one in ten is accepted). A tree spends
+the same ``B - 1`` rows on the likeliest *paths* instead: node ``(r1, .., rd)``
+is the path taking the ``r1``-th likeliest token at depth 1, the ``r2``-th at
+depth 2, and so on; its score is the sum of those tokens' log-probabilities.
+The drafter predicts each position from the context and mask tokens alone,
+so a child's distribution does not depend on its parent's token and the
+score needs the top-k of each position only.
+
+The nodes come from a fixed *universe* of rank paths ordered parents first.
+A child scores strictly below its parent (log-probabilities are <= 0, and
+each depth costs a little more), so the ``B - 1`` best-scoring paths of the
+universe always form a tree; taken in universe order, every node follows its
+parent. That is a top-k and a few gathers per step: no host work, and the
+shapes are fixed (CUDA graphs).
+
+Verification: block row 0 is the anchor (the last emitted token); row
+``j + 1`` holds node ``j`` at position ``start + depth(j)`` and attends to the
+context and to its own ancestors only (``row_masks``). Greedy acceptance
+walks the tree: a node is accepted when its token is the target's argmax at
+its parent's row and every ancestor is accepted; the deepest accepted node
+gives the accepted count and the bonus (the argmax at its row). Every
+accepted token is thus the target's argmax given exactly the accepted
+prefix, so the output is the target's greedy output.
+
+The accepted nodes' K/V were written at their rows' slots; ``kv_moves``
+copies them to the slots of their depths, where the next step expects them.
+Rows are only filled with trees for greedy rows: rejection sampling over a
+tree (SpecInfer's) is not implemented, so sampled rows verify chains.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+TREE_FILE = "draft_tree.json"  # rank paths, beside a drafter's config.json
+
+
+@dataclass
+class TreeUniverse:
+    """Candidate rank paths, parents before children."""
+
+    paths: list[tuple[int, ...]]
+    top_k: int  # ranks 0 .. top_k - 1 at every depth
+    select: torch.Tensor  # [U, G * top_k] float: path u takes rank r at depth d
+    depth: torch.Tensor  # [U] int64, 1..G
+    rank: torch.Tensor  # [U] int64, the rank at the path's last depth
+    parent: torch.Tensor  # [U] int64, -1 for depth 1
+    ancestors: torch.Tensor  # [U, U] bool, ancestors[u, v]: v is u or an ancestor of u
+
+    def to(self, device) -> "TreeUniverse":
+        return TreeUniverse(self.paths, self.top_k, *(t.to(device) for t in
+                            (self.select, self.depth, self.rank, self.parent, self.ancestors)))
+
+
+def make_universe(paths: list[list[int]] | list[tuple[int, ...]], max_depth: int) -> TreeUniverse:
+    """A universe of the given rank paths (at most ``max_depth`` deep), in
+    their order; raises ValueError where a path's parent is missing or
+    comes after it."""
+    paths = [tuple(int(r) for r in p) for p in paths]
+    index: dict[tuple[int, ...], int] = {}
+    for u, p in enumerate(paths):
+        if not p or len(p) > max_depth or min(p) < 0:
+            raise ValueError(f"tree path {list(p)} must have 1..{max_depth} ranks >= 0")
+        if p in index:
+            raise ValueError(f"tree path {list(p)} is listed twice")
+        if len(p) > 1 and p[:-1] not in index:
+            raise ValueError(f"tree path {list(p)} comes before its parent {list(p[:-1])}")
+        index[p] = u
+    if not paths:
+        raise ValueError("a draft tree needs at least one path")
+    U, K = len(paths), max(max(p) for p in paths) + 1
+    select = torch.zeros(U, max_depth * K)
+    ancestors = torch.zeros(U, U, dtype=torch.bool)
+    parent = torch.full((U,), -1, dtype=torch.int64)
+    for u, p in enumerate(paths):
+        for d, r in enumerate(p):
+            select[u, d * K + r] = 1.0
+            ancestors[u, index[p[: d + 1]]] = True
+        if len(p) > 1:
+            parent[u] = index[p[:-1]]
+    return TreeUniverse(paths, K, select, torch.tensor([len(p) for p in paths]),
+                        torch.tensor([p[-1] for p in paths]), parent, ancestors)
+
+
+def generic_paths(max_depth: int, max_rank_sum: int = 3, max_rank: int = 7) -> list[tuple[int, ...]]:
+    """Every path whose ranks sum to at most ``max_rank_sum``, breadth first:
+    the universe of a drafter that ships no ``draft_tree.json``."""
+    paths, frontier = [], [()]
+    for _ in range(max_depth):
+        frontier = [p + (r,) for p in frontier for r in range(min(max_rank_sum - sum(p), max_rank) + 1)]
+        paths += frontier
+    return paths
+
+
+def load_universe(drafter_dir: str | None, max_depth: int) -> TreeUniverse:
+    """The drafter's own rank paths (``draft_tree.json``: ``{"paths": [[r1,
+    ..], ..]}``, measured on held-out prompts by ``bench/draft_tree.py``),
+    or the generic ones."""
+    f = pathlib.Path(drafter_dir or "", TREE_FILE)
+    if drafter_dir and f.is_file():
+        paths = json.loads(f.read_text())["paths"]
+        return make_universe([p for p in paths if len(p) <= max_depth], max_depth)
+    return make_universe(generic_paths(max_depth), max_depth)
+
+
+@dataclass
+class DraftTree:
+    """The shape of each row's tree of ``N`` nodes; node ``j`` sits at block
+    row ``j + 1`` (row 0 is the anchor)."""
+
+    parent: torch.Tensor  # [S, N] int64: block row of node j's parent (0: the anchor)
+    depth: torch.Tensor  # [S, N] int64: 1..N
+    ancestors: torch.Tensor  # [S, N, N] bool: [s, i, j]: node j is node i or one of its ancestors
+
+
+def chain(num_seqs: int, num_nodes: int, device) -> DraftTree:
+    """The tree of a chain: node j's parent is row j."""
+    j = torch.arange(num_nodes, device=device)
+    return DraftTree(j.expand(num_seqs, -1), (j + 1).expand(num_seqs, -1),
+                     (j[None, :] <= j[:, None]).expand(num_seqs, -1, -1))
+
+
+def build(top_logprobs: torch.Tensor, top_ids: torch.Tensor, universe: TreeUniverse,
+          num_nodes: int) -> tuple[torch.Tensor, DraftTree]:
+    """The ``num_nodes`` best-scoring paths of ``universe`` for each row, from
+    the drafter's top-k per position (``[S, G, K]``, log-probabilities
+    descending). Returns the nodes' tokens ``[S, N]`` and the tree."""
+    S, G, K = top_ids.shape
+    Ku = universe.top_k
+    if K < Ku:
+        raise ValueError(f"the tree needs the top {Ku} drafts of each position, got {K}")
+    lp = top_logprobs[:, :, :Ku].float().reshape(S, G * Ku)
+    # A deeper path pays a little more, so a child never ties its parent.
+    score = lp @ universe.select.T - 1e-4 * universe.depth
+    picked = score.topk(num_nodes, dim=1).indices.sort(dim=1).values  # [S, N], universe order
+    depth = universe.depth[picked]
+    tokens = _node_tokens(top_ids, depth, universe.rank[picked])
+    # Block row of each universe path in this row's tree (0 where absent).
+    row_of = torch.zeros(S, len(universe.paths) + 1, dtype=torch.int64, device=top_ids.device)
+    row_of.scatter_(1, picked, torch.arange(1, num_nodes + 1, device=top_ids.device).expand(S, -1))
+    parent_u = universe.parent[picked]  # -1: the anchor
+    parent = row_of.gather(1, torch.where(parent_u < 0, len(universe.paths), parent_u))
+    ancestors = universe.ancestors[picked[:, :, None], picked[:, None, :]]
+    return tokens, DraftTree(parent, depth, ancestors)
+
+
+def _node_tokens(top_ids: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """``top_ids[s, depth - 1, rank]`` for every node."""
+    S, G, K = top_ids.shape
+    return top_ids.reshape(S, G * K).gather(1, (depth - 1) * K + rank)
+
+
+def row_depths(tree: DraftTree) -> torch.Tensor:
+    """``[S, N + 1]``: each block row's offset from the anchor's position."""
+    return torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
+
+
+def row_masks(tree: DraftTree) -> torch.Tensor:
+    """``[S, N + 1]`` int32: bit ``j`` of row ``i`` is set when row ``i`` may
+    attend to row ``j`` of its block (the anchor, its ancestors, itself).
+    Blocks are at most 32 rows."""
+    S, N = tree.depth.shape
+    bits = torch.ones(N + 1, dtype=torch.int64, device=tree.depth.device) << torch.arange(
+        N + 1, device=tree.depth.device)
+    nodes = (tree.ancestors.long() * bits[None, None, 1:]).sum(-1) | 1  # [S, N]
+    masks = torch.cat([torch.ones_like(nodes[:, :1]), nodes], 1)
+    return torch.where(masks >= 2**31, masks - 2**32, masks).int()
+
+
+@dataclass
+class TreeAcceptance:
+    num_accepted: torch.Tensor  # [S] int64: depth of the deepest accepted node
+    bonus: torch.Tensor  # [S] int64: the target's argmax at that node's row
+    path_rows: torch.Tensor  # [S, N] int64: block row of the accepted node at depth k + 1 (row k + 1 past the path)
+    row_kept: torch.Tensor  # [S, N + 1] bool: the anchor and the accepted nodes
+
+
+def accept_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor, tree: DraftTree,
+                  num_drafts: torch.Tensor) -> TreeAcceptance:
+    """Greedy acceptance over each row's tree: ``target_argmax`` ``[S, N + 1]``
+    at every block row, ``tokens`` ``[S, N]`` the nodes' drafts; only the
+    first ``num_drafts[s]`` nodes are real (a block cut short by its emit
+    budget keeps its first rows: a closed subtree, nodes following their
+    parents)."""
+    S, N = tokens.shape
+    dev = tokens.device
+    nodes = torch.arange(N, device=dev)
+    match = (tokens == target_argmax.gather(1, tree.parent)) & (nodes[None] < num_drafts[:, None])
+    ok = ~(tree.ancestors & ~match[:, None, :]).any(-1)  # [S, N]: the node and its ancestors match
+    reach = torch.where(ok, tree.depth, 0)
+    num_accepted, deepest = reach.max(1)
+    best_row = torch.where(num_accepted > 0, deepest + 1, 0)
+    bonus = target_argmax.gather(1, best_row[:, None]).squeeze(1)
+    # Accepted nodes have distinct depths (one per depth: the target's
+    # argmax is a single path, and siblings hold distinct tokens).
+    path = torch.cat([nodes + 1, nodes.new_zeros(1)]).expand(S, -1).clone()  # [S, N + 1]
+    path.scatter_(1, torch.where(ok, tree.depth - 1, N), (nodes + 1).expand(S, -1))
+    row_kept = torch.cat([torch.ones_like(ok[:, :1]), ok], 1)
+    return TreeAcceptance(num_accepted, bonus, path[:, :N], row_kept)
+
+
+def path_tokens(tokens: torch.Tensor, path_rows: torch.Tensor) -> torch.Tensor:
+    """``[S, N]``: the accepted path's drafts first (what a chain's drafts
+    would be), the rest filler."""
+    return tokens.gather(1, path_rows - 1)
+
+
+def kv_moves(row_slots: torch.Tensor, path_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots to copy (``src``) to (``dst``), ``[S * N]`` each: the
+    accepted node at depth k was written at its row's slot and belongs at
+    row k's. Past the path, rows copy onto themselves."""
+    src = row_slots.gather(1, path_rows)
+    return src.reshape(-1), row_slots[:, 1:].reshape(-1)
+
+
+def move_kv(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy every layer's K and V of slots ``src`` to slots ``dst``
+    (``kv_cache`` ``[L, 2, blocks, block_size, kv_heads, D]``); all sources
+    are read before any is written."""
+    L, two, nb, bs = kv_cache.shape[:4]
+    flat = kv_cache.view(L, two, nb * bs, *kv_cache.shape[4:])
+    flat.index_copy_(2, dst, flat.index_select(2, src))
