@@ -13,15 +13,21 @@ from specray.actors.target import allocated_bytes, resolve_device
 from specray.actors.weights import Checkpoint, CheckpointError, torch_dtype
 from specray.config import DrafterSpec, TargetSpec
 from specray.plan import DraftBatch, DraftOutput
-from specray.draft_tree import DraftTree, TreeUniverse, build
+from specray.draft_tree import DraftTree, TreeUniverse, build, lookup_nodes
 from specray.sampling import sample_draft_tokens
 
 
-def draft_tree_of(logits: torch.Tensor, universe: TreeUniverse) -> tuple[torch.Tensor, DraftTree]:
-    """A tree of ``G`` nodes per row from the drafter's logits ``[S, G, V]``."""
+def draft_tree_of(logits: torch.Tensor, universe: TreeUniverse, lookup: torch.Tensor | None = None,
+                  has_lookup: torch.Tensor | None = None) -> tuple[torch.Tensor, DraftTree]:
+    """A tree of ``G`` nodes per row from the drafter's logits ``[S, G, V]``
+    (and prompt-lookup drafts ``[S, >= L]`` where ``has_lookup``:
+    ``draft_tree.build``)."""
     top = logits.topk(universe.top_k, dim=-1)
     top_logprobs = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
-    return build(top_logprobs, top.indices, universe, logits.shape[1])
+    G = logits.shape[1]
+    if lookup is not None:
+        lookup = lookup[:, : lookup_nodes(G)]
+    return build(top_logprobs, top.indices, universe, G, lookup, has_lookup)
 
 
 def load_shared_head(target: TargetSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +179,9 @@ class DrafterWorker:
             )
             logits = self.model.logits(hidden[:, 1:])
         if batch.tree and self.tree is not None:
-            tokens, tree = draft_tree_of(logits, self.tree)
+            lookup = None if batch.tree_lookup is None else batch.tree_lookup.to(dev, non_blocking=True)
+            has = None if batch.tree_lookup is None else batch.tree_has_lookup.to(dev, non_blocking=True)
+            tokens, tree = draft_tree_of(logits, self.tree, lookup, has)
             return DraftOutput(tokens, None, None, tree)
         tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), self.draft_top_k)
         return DraftOutput(tokens, idx, q)

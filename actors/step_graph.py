@@ -119,8 +119,13 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
             if lookup:
                 history, history_rows = bufs["history"], bufs["slot"][:n]
             if use_tree:
-                drafts, shape = draft_tree_of(draft_logits, tree)
-                input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
+                looked_up, found = no_lookups[:n], None
+                if lookup:  # a row's lookup draft joins its tree as a branch
+                    _, found, looked_up = lookup_drafts(history, history_rows, blk.known_lens, blk.block_len, None,
+                                                        torch.zeros_like(blk.block_ids[:, 1:]), last, lookup[0],
+                                                        lookup[1])
+                drafts, shape = draft_tree_of(draft_logits, tree, found, looked_up if lookup else None)
+                input_ids = torch.cat([last[:, None], drafts], 1)
                 positions = start[:, None] + row_depths(shape)
                 tree_mask = row_masks(shape).reshape(-1)
             else:

@@ -277,18 +277,18 @@ class EngineCore:
         drafts = lookup = None
         if self.drafter is not None and decode:
             tree = self._tree_step(decode)
-            lookup = [[] for _ in decode] if tree else self._lookup_drafts(decode)
+            lookup = self._lookup_drafts(decode)
             # A step where every request has a lookup draft skips the
-            # drafter, unless lookups need its agreement.
-            if self.config.prompt_lookup_agree or not all(lookup):
+            # drafter, unless lookups need its agreement or join a tree.
+            if tree or self.config.prompt_lookup_agree or not all(lookup):
                 draft_batch = self._draft_batch(decode, st_cpu if getattr(self.drafter, "packs_host_batch", False)
-                                                else st_dev, tree)
+                                                else st_dev, lookup if tree else None)
                 self._sync()
                 t = time.perf_counter()
                 drafts = self.drafter.propose(draft_batch)
                 self._sync()
                 stats.propose = time.perf_counter() - t
-            if any(lookup):
+            if any(lookup) and (drafts is None or drafts.tree is None):
                 drafts = merge_lookup_drafts(drafts, lookup, self.block_size - 1, st_cpu, self.device,
                                              self.config.prompt_lookup_agree)
 
@@ -499,13 +499,20 @@ class EngineCore:
         """Count the steps whose drafts were a lookup's. One that had to
         agree with the drafter was taken iff the step's first draft is the
         lookup's first token (the drafter's differed otherwise)."""
-        agree = self.config.prompt_lookup_agree
+        agree = self.config.prompt_lookup_agree and not self._tree_step(decode)  # a tree takes every lookup
         for d, found, tokens in zip(decode, lookup, drafted):
             taken = not agree or not d.request.params.greedy or tokens[:1] == found[:1]
             d.request.metrics.num_lookup_steps += bool(found) and taken
 
-    def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors, tree: bool = False) -> DraftBatch:
+    def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors,
+                     tree_lookup: list[list[int]] | None = None) -> DraftBatch:
+        """``tree_lookup``: draft trees, with each row's lookup draft ([] for
+        none) as a branch."""
         B = self.block_size
+        lookup = has = None
+        if tree_lookup is not None and any(tree_lookup):
+            lookup = torch.tensor([(d + d[-1:] * B)[: B - 1] if d else [0] * (B - 1) for d in tree_lookup])
+            has = torch.tensor([bool(d) and dl.block_len > 1 for d, dl in zip(tree_lookup, decode)])
         mask = self.drafter_spec.mask_token_id
         block_ids = torch.full((len(decode), B), mask, dtype=torch.int64)
         block_ids[:, 0] = torch.tensor([d.request.all_token_ids[-1] for d in decode])
@@ -517,7 +524,9 @@ class EngineCore:
             block_tables=block_table_tensor([d.request.draft_blocks.blocks for d in decode]),
             max_ctx_len=max(ctx),
             sampling=st,
-            tree=tree,
+            tree=tree_lookup is not None,
+            tree_lookup=lookup,
+            tree_has_lookup=has,
         )
 
     def _target_batch(self, decode: list[DecodeItem], prefill: list[PrefillItem]):

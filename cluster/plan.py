@@ -81,6 +81,8 @@ class DraftBatch:
     max_ctx_len: int
     sampling: SamplingTensors
     tree: bool = False  # draft a tree per row (draft_tree.py): greedy rows only
+    tree_lookup: torch.Tensor | None = None  # [S, L] int64: prompt-lookup drafts a tree takes as a branch
+    tree_has_lookup: torch.Tensor | None = None  # [S] bool: rows that have one
 
 
 @dataclass

@@ -145,14 +145,14 @@ _RUNTIME_INTS = ["window", "num_rows", "num_splits"]  # no recompiles per value
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _paged_attention_kernel(
     q_ptr, k_cache, v_cache, out_ptr, part_acc, part_m, part_l,
-    query_start_loc, seq_lens, block_tables, tree_mask,
+    query_start_loc, seq_lens, block_tables, tree_depth, tree_rows,
     qk_scale, window, num_rows, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr, TREE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -181,11 +181,20 @@ def _paged_attention_kernel(
     q_tok = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + (q_tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if HAS_TREE:  # bit j: the row sees new row j (draft trees); -1: causal
-        tree_bits = tl.load(tree_mask + q_tok, mask=row_ok, other=-1)
+    # A draft-tree row (one token a program) sits at its depth, and its
+    # keys past the context are its ancestors, in depth order: the very
+    # tiles, lanes and splits of a decode step of that token, so the same bits.
+    is_tree = False
+    if HAS_TREE:
+        tok0 = (q_start + t0).to(tl.int64)
+        depth = tl.load(tree_depth + tok0)
+        is_tree = depth >= 0
+        q_pos = tl.where(is_tree, ctx_len + depth, q_pos)
 
     # keys this tile can see: [lo, hi), causal to the tile's last row
     hi = ctx_len + tl.minimum(t0 + BLOCK_Q, q_len)
+    if HAS_TREE:
+        hi = tl.where(is_tree, ctx_len + depth + 1, hi)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx_len + t0 - window + 1, 0)
@@ -198,16 +207,19 @@ def _paged_attention_kernel(
     for start in range(s_lo, hi, step):
         kpos = start + tl.arange(0, BLOCK_N)
         kv_ok = (kpos < hi) & (kpos >= lo)
-        k, v = _load_paged_kv(k_cache, v_cache, bt_row, kv_head, kpos, kv_ok, offs_d, d_ok, q.dtype,
+        kphys = kpos
+        if HAS_TREE:  # logical key position -> the new row holding it
+            j = kpos - ctx_len
+            anc = is_tree & (j >= 0) & kv_ok
+            row = tl.load(tree_rows + tok0 * TREE_ROWS + tl.minimum(tl.maximum(j, 0), TREE_ROWS - 1),
+                          mask=anc, other=0)
+            kphys = tl.where(anc, ctx_len + row, kpos)
+        k, v = _load_paged_kv(k_cache, v_cache, bt_row, kv_head, kphys, kv_ok, offs_d, d_ok, q.dtype,
                               stride_kb, stride_kt, stride_kh, stride_kd,
                               stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE)
         visible = kv_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - kpos[None, :] < window)
-        if HAS_TREE:
-            j = kpos - ctx_len
-            seen = ((tree_bits[:, None] >> tl.minimum(tl.maximum(j, 0), 31)[None, :]) & 1) != 0
-            visible = visible & ((j < 0)[None, :] | seen | (tree_bits == -1)[:, None])
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
 
     out_row = q_tok * Q_HEADS + head
@@ -368,12 +380,31 @@ def _combine(out, parts, num_splits, num_rows, head_dim, block_d):
         )
 
 
+def tree_rows(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(depth [T] int32, rows [T, 32] int32)`` of a tree mask: a row's depth
+    (its set bits less one; -1 for a causal row) and the new rows it sees, in
+    order (its ancestors by depth, itself last)."""
+    dev = tree_mask.device
+    bits = (tree_mask.long()[:, None] >> torch.arange(32, device=dev)) & 1  # [T, 32]
+    rank = bits.cumsum(1) - 1
+    # Unset bits write past the end (column 32 of a padded copy).
+    padded = torch.zeros(bits.shape[0], 33, dtype=torch.int32, device=dev)
+    padded.scatter_(1, torch.where(bits.bool(), rank, 32),
+                    torch.arange(32, dtype=torch.int32, device=dev).expand(bits.shape[0], -1).contiguous())
+    rows = padded[:, :32].contiguous()
+    depth = torch.where(tree_mask == -1, -1, bits.sum(1) - 1).int()
+    return depth, rows
+
+
 def paged_attention(
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-    max_query_len, max_seq_len, scale, sliding_window=None, tree_mask=None, *, num_splits=None,
+    max_query_len, max_seq_len, scale, sliding_window=None, tree_mask=None, *, num_splits=None, tree=None,
 ):
     """Triton twin of ``attention.paged_attention_ref`` (same arguments;
-    ``num_splits`` overrides the KV-split heuristic)."""
+    ``num_splits`` overrides the KV-split heuristic; ``tree``: ``tree_rows``
+    of ``tree_mask``, computed once for many launches)."""
+    if tree_mask is not None and tree is None:
+        tree = tree_rows(tree_mask)
     num_tokens, q_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
@@ -383,6 +414,8 @@ def paged_attention(
         return out
     decode_shaped = max_query_len <= DECODE_SHAPED_MAX_QUERY
     block_m, block_q, block_n, block_d, num_warps = _tiles(max_query_len, group, q.dtype, head_dim, decode_shaped)
+    if tree is not None:
+        block_q = 1  # a tree row gathers keys of its own
     n_qt = triton.cdiv(max_query_len, block_q)
     if decode_shaped:  # the split count a decode step of these sequences gets
         ns = num_splits or _pick_splits(num_seqs * kv_heads, None, block_n, q.device)
@@ -392,11 +425,12 @@ def paged_attention(
     parts = _partials(ns, num_rows, head_dim, q.device)
     _paged_attention_kernel[(n_qt, num_seqs, kv_heads * ns)](
         q, k_cache, v_cache, out, *parts,
-        query_start_loc, seq_lens, block_tables, tree_mask if tree_mask is not None else seq_lens,
+        query_start_loc, seq_lens, block_tables, *(tree if tree is not None else (seq_lens, seq_lens)),
         float(scale) * _LOG2E, int(sliding_window or 0), num_rows, ns,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HAS_WINDOW=sliding_window is not None, HAS_TREE=tree_mask is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_TREE=tree is not None,
+        TREE_ROWS=tree[1].shape[1] if tree is not None else 1,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
         SPLIT=ns > 1, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=2,

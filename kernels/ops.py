@@ -34,10 +34,21 @@ def _fused_ok(x: torch.Tensor) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                    max_query_len, max_seq_len, scale, sliding_window=None, tree_mask=None):
-    fn = _triton.paged_attention if _triton is not None and q.is_cuda else paged_attention_ref
-    return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-              max_query_len, max_seq_len, scale, sliding_window, tree_mask)
+                    max_query_len, max_seq_len, scale, sliding_window=None, tree_mask=None, tree=None):
+    """``tree``: ``tree_rows(tree_mask)``, computed once for a forward's layers."""
+    if _triton is not None and q.is_cuda:
+        return _triton.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                       max_query_len, max_seq_len, scale, sliding_window, tree_mask, tree=tree)
+    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                               max_query_len, max_seq_len, scale, sliding_window, tree_mask)
+
+
+def tree_rows(tree_mask):
+    """What the GPU kernel reads of a draft tree's mask (depths and ancestor
+    rows; ``attention_triton.tree_rows``); None where the reference runs."""
+    if tree_mask is None or _triton is None or not tree_mask.is_cuda:
+        return None
+    return _triton.tree_rows(tree_mask)
 
 
 def dflash_block_attention(q, k_block, v_block, k_cache, v_cache, ctx_lens, block_tables,

@@ -161,8 +161,10 @@ def test_async_lookups_draft_what_sync_lookups_draft(models, agree, monkeypatch)
     # Request 3 finishes early and request 2 joins later: rows of the
     # device history are reclaimed and reused across chains.
     joins = {2: 12}
+    # The agreement rule is a chain's (a tree takes every lookup as a branch).
+    tree = {"draft_tree": False} if agree else {}
     if agree:
-        plain = run(engine(models, True, True, prompt_lookup_agree=False), ps, params, joins)
+        plain = run(engine(models, True, True, prompt_lookup_agree=False, **tree), ps, params, joins)
         # A drafter that drafts the outputs' most common token everywhere:
         # the lookups that open with it agree, the others do not.
         from collections import Counter
@@ -173,8 +175,8 @@ def test_async_lookups_draft_what_sync_lookups_draft(models, agree, monkeypatch)
         logits = DFlashDrafter.logits
         monkeypatch.setattr(DFlashDrafter, "logits",
                             lambda self, hidden: logits(self, hidden).index_fill(-1, torch.tensor([common]), 1e4))
-    sync = run(engine(models, True, False, prompt_lookup_agree=agree), ps, params, joins)
-    eng = engine(models, True, True, prompt_lookup_agree=agree)
+    sync = run(engine(models, True, False, prompt_lookup_agree=agree, **tree), ps, params, joins)
+    eng = engine(models, True, True, prompt_lookup_agree=agree, **tree)
     got = run(eng, ps, params, joins)
     assert eng.num_async_steps > 10
     for rid in "0123":

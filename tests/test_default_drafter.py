@@ -67,7 +67,8 @@ def test_acceptance_lengths_equal_reference_with_trained_drafter(target, spec):
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ref = dm.DFlashDraftModel.from_pretrained(default_drafter_dir(), dtype=torch.float32).eval()
     rows = [json.loads(line) for line in EVAL.read_text().splitlines() if line.strip()]
-    drafter_only = LLM(target, default_drafter_dir(), max_model_len=2048, prompt_lookup_min=0)
+    # The reference verifies chains.
+    drafter_only = LLM(target, default_drafter_dir(), max_model_len=2048, prompt_lookup_min=0, draft_tree=False)
     for row in (rows[0], rows[13]):
         ids = spec.tokenizer(chat(spec, row["messages"]), add_special_tokens=False)["input_ids"]
         r = dm.dflash_generate(ref, hf, torch.tensor([ids]), 40, [2], return_stats=True)

@@ -51,8 +51,9 @@ def row_invariant_target(monkeypatch):
     def linear(x, w, b=None):
         return torch.cat([F.linear(r[None], w, b) for r in x]) if len(x) else F.linear(x, w, b)
 
-    def attention(q, k, v, query_start_loc, seq_lens, tables, max_query_len, max_seq_len, scale, window=None):
-        assert len(seq_lens) == 1  # the bench runs one sequence at a time
+    def attention(q, k, v, query_start_loc, seq_lens, tables, max_query_len, max_seq_len, scale, window=None,
+                  tree_mask=None, tree=None):
+        assert len(seq_lens) == 1 and tree_mask is None  # the bench runs one sequence at a time, no trees
         n, end = q.shape[0], int(seq_lens[0])
         return torch.cat([attend(q[i:i + 1], k, v, query_start_loc.new_tensor([0, 1]),
                                  seq_lens.new_tensor([end - n + i + 1]), tables, 1, max_seq_len, scale, window)

@@ -157,6 +157,7 @@ class TargetModel:
         eps = self.spec.rms_norm_eps
         h = self.embed[input_ids]  # not F.embedding: its index_select walks the ids serially on a GPU
         rope = self.rotary.lookup(attn.positions, h.dtype)
+        tree = ops.tree_rows(attn.tree_mask)
         taps: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
         # ``h`` is the last sublayer's output and ``residual`` the stream
@@ -182,6 +183,7 @@ class TargetModel:
                 self.scale,
                 layer.window,
                 attn.tree_mask,
+                tree,
             )
             h = self.tp.all_reduce(F.linear(o.reshape(-1, nq * D), layer.o_proj))
             if layer.o_bias is not None:

@@ -1,0 +1,370 @@
+"""Draft trees (cluster/draft_tree.py): the tree a universe gives, greedy
+acceptance over it against a brute-force walk, the tree attention mask
+against attention over each node's own prefix, and engines that verify
+trees emitting the autoregressive engine's tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from factories import make_models, run_engine_to_end
+
+from specray import SamplingParams
+from specray.config import ConfigError, EngineConfig
+from specray.draft_tree import (
+    accept_greedy,
+    build,
+    chain,
+    generic_paths,
+    kv_moves,
+    load_universe,
+    make_universe,
+    move_kv,
+    path_tokens,
+    row_depths,
+    row_masks,
+)
+from specray.kernels.attention import paged_attention_ref
+from specray.llm import build_engine
+
+
+def random_tree(S=4, G=7, K=4, vocab=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    universe = make_universe(generic_paths(G, max_rank_sum=3), G)
+    logits = torch.randn(S, G, vocab, generator=g) * 2
+    top = logits.log_softmax(-1).topk(K, -1)
+    tokens, tree = build(top.values, top.indices, universe, G)
+    return universe, top, tokens, tree
+
+
+def test_build_picks_the_best_scoring_closed_tree():
+    universe, top, tokens, tree = random_tree()
+    S, G = tokens.shape
+    for s in range(S):
+        paths = []
+        for j in range(G):
+            p = tree.parent[s, j].item()
+            assert p <= j  # parents come first (row p is node p - 1)
+            depth_parent = 0 if p == 0 else tree.depth[s, p - 1].item()
+            assert tree.depth[s, j].item() == depth_parent + 1
+            anc = {j} | ({k for k in range(G) if tree.ancestors[s, p - 1, k]} if p else set())
+            assert {k for k in range(G) if tree.ancestors[s, j, k]} == anc
+        # Each node's token is its path's last rank at its depth; its score
+        # (sum of the path's log-probabilities) beats every path left out.
+        lp = top.values[s]
+        scores = {q: sum(lp[d, r].item() for d, r in enumerate(q)) for q in universe.paths}
+        chosen = []
+        for j in range(G):
+            ranks, row = [], j + 1
+            while row:
+                k = row - 1
+                ranks.append(top.indices[s, tree.depth[s, k] - 1].tolist().index(tokens[s, k].item()))
+                row = tree.parent[s, k].item()
+            chosen.append(tuple(reversed(ranks)))
+        assert len(set(chosen)) == G
+        worst_in = min(scores[q] for q in chosen)
+        best_out = max(v for q, v in scores.items() if q not in chosen)
+        assert worst_in >= best_out - 1e-3
+
+
+def brute_force_accept(argmax_row, tokens_row, parents_row, num_drafts):
+    """Walk from the anchor: the real child holding the target's argmax."""
+    row, path = 0, []
+    while True:
+        nxt = [j for j in range(num_drafts) if parents_row[j] == row and tokens_row[j] == argmax_row[row]]
+        if not nxt:
+            return len(path), argmax_row[row], path
+        row = nxt[0] + 1
+        path.append(row)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accept_greedy_equals_a_walk_down_the_tree(seed):
+    universe, top, tokens, tree = random_tree(S=6, seed=seed)
+    S, G = tokens.shape
+    g = torch.Generator().manual_seed(100 + seed)
+    # Target argmax rows that follow a random root-to-node path for a while.
+    argmax = torch.randint(0, 12, (S, G + 1), generator=g)
+    for s in range(S):
+        node = int(torch.randint(0, G, (1,), generator=g))
+        row = node + 1
+        while row:
+            k = row - 1
+            argmax[s, tree.parent[s, k]] = tokens[s, k]
+            row = tree.parent[s, k].item()
+    num_drafts = torch.tensor([G, G, 3, 0, G, 1])
+    acc = accept_greedy(argmax, tokens, tree, num_drafts)
+    for s in range(S):
+        n, bonus, path = brute_force_accept(argmax[s].tolist(), tokens[s].tolist(), tree.parent[s].tolist(),
+                                            int(num_drafts[s]))
+        assert acc.num_accepted[s].item() == n
+        assert acc.bonus[s].item() == bonus
+        assert acc.path_rows[s, :n].tolist() == path
+        assert acc.path_rows[s, n:].tolist() == list(range(n + 1, G + 1))  # identity past the path
+        assert acc.row_kept[s].nonzero().flatten().tolist() == [0] + path
+        assert path_tokens(tokens, acc.path_rows)[s, :n].tolist() == [tokens[s, r - 1].item() for r in path]
+
+
+def test_a_chain_tree_accepts_what_a_chain_accepts():
+    S, G = 3, 5
+    tree = chain(S, G, "cpu")
+    tokens = torch.tensor([[1, 2, 3, 4, 5]] * S)
+    argmax = torch.tensor([[1, 2, 9, 4, 5, 6], [1, 2, 3, 4, 5, 6], [7, 2, 3, 4, 5, 6]])
+    acc = accept_greedy(argmax, tokens, tree, torch.tensor([G, 3, G]))
+    assert acc.num_accepted.tolist() == [2, 3, 0]
+    assert acc.bonus.tolist() == [9, 4, 7]
+    assert row_masks(tree)[0].tolist() == [(1 << (i + 1)) - 1 for i in range(G + 1)]
+    assert row_depths(tree)[0].tolist() == list(range(G + 1))
+
+
+def test_kv_moves_put_the_accepted_path_at_its_depths():
+    L, blocks, bs = 2, 3, 4
+    cache = torch.arange(L * 2 * blocks * bs * 2 * 3, dtype=torch.float32).view(L, 2, blocks, bs, 2, 3)
+    before = cache.clone()
+    row_slots = torch.tensor([[4, 5, 6, 7, 8]])  # a block of 5 rows, slots 4..8
+    path_rows = torch.tensor([[2, 4, 3, 4]])  # depth 1 at row 2, depth 2 at row 4; past the path: identity
+    move_kv(cache, *kv_moves(row_slots, path_rows))
+    flat, old = cache.view(L, 2, -1, 2, 3), before.view(L, 2, -1, 2, 3)
+    assert torch.equal(flat[:, :, 5], old[:, :, 6]) and torch.equal(flat[:, :, 6], old[:, :, 8])
+    assert torch.equal(flat[:, :, 7], old[:, :, 7]) and torch.equal(flat[:, :, 8], old[:, :, 8])
+    assert torch.equal(flat[:, :, 4], old[:, :, 4])
+
+
+def test_tree_attention_is_attention_over_each_nodes_prefix():
+    torch.manual_seed(0)
+    _, _, tokens, tree = random_tree(S=2, G=7)
+    S, B, H, KVH, D, ctx, bs = 2, 8, 4, 2, 16, 5, 4
+    blocks_per_seq = 4
+    k_cache = torch.randn(1 + S * blocks_per_seq, bs, KVH, D)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(1, 1 + S * blocks_per_seq, dtype=torch.int32).view(S, blocks_per_seq)
+    q = torch.randn(S * B, H, D)
+    qsl = torch.arange(0, S * B + 1, B)
+    seq_lens = torch.full((S,), ctx + B)
+    mask = row_masks(tree).reshape(-1)
+    out = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, B, ctx + B, D ** -0.5, tree_mask=mask)
+    flat_k, flat_v = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)
+    for s in range(S):
+        slots = [int(tables[s, p // bs]) * bs + p % bs for p in range(ctx + B)]
+        for i in range(B):
+            bits = int(mask[s * B + i]) & 0xFFFFFFFF
+            seen = list(range(ctx)) + [ctx + j for j in range(B) if bits >> j & 1]
+            if i:  # a node sees the anchor, its ancestors and itself
+                anc = [j + 1 for j in range(B - 1) if tree.ancestors[s, i - 1, j]]
+                assert seen == list(range(ctx)) + [ctx] + [ctx + a for a in anc]
+            k = flat_k[[slots[p] for p in seen]].repeat_interleave(H // KVH, 1)
+            v = flat_v[[slots[p] for p in seen]].repeat_interleave(H // KVH, 1)
+            w = torch.einsum("hd,khd->hk", q[s * B + i], k).mul(D ** -0.5).softmax(-1)
+            torch.testing.assert_close(out[s * B + i], torch.einsum("hk,khd->hd", w, v))
+
+
+def test_universe_errors_and_the_shipped_file(tmp_path):
+    with pytest.raises(ValueError, match="before its parent"):
+        make_universe([[0, 1], [0]], 4)
+    with pytest.raises(ValueError, match="twice"):
+        make_universe([[0], [0]], 4)
+    with pytest.raises(ValueError, match="1..4 ranks"):
+        make_universe([[0, 0, 0, 0, 0]], 4)
+    (tmp_path / "draft_tree.json").write_text(json.dumps({"paths": [[0], [1], [0, 0], [0, 0, 0]]}))
+    assert load_universe(str(tmp_path), 2).paths == [(0,), (1,), (0, 0)]  # deeper paths than the block are dropped
+    assert len(load_universe(None, 3).paths) == len(generic_paths(3))
+    from specray.default_model import default_drafter_dir
+
+    shipped = load_universe(default_drafter_dir(), 15)
+    assert shipped.paths[0] == (0,) and len(shipped.paths) == 128
+
+
+# ----------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("tree"), block_size=8)
+
+
+def engine(root, **kw):
+    base = dict(target=str(root / "t"), drafter=str(root / "d"), kv_block_size=4, num_kv_blocks=300,
+                max_model_len=96, max_num_seqs=8)
+    return build_engine(EngineConfig(**(base | kw)))
+
+
+class OracleDrafts:
+    """Drafter logits that rank the greedy continuation second at odd depths
+    (a decoy first) and first at even ones, so only a tree off the argmax
+    chain accepts it; the engine must still emit exactly the greedy tokens.
+    Keyed by (anchor position, anchor token): the drafter's inputs."""
+
+    def __init__(self, eng, sequences: list[list[int]]):
+        self.next = {}
+        for seq in sequences:
+            for a in range(len(seq)):
+                self.next.setdefault((a, seq[a]), seq[a + 1 :])
+        model = eng.drafter.model
+        self.propose_hidden, self.logits = model.propose_hidden, model.logits
+        model.propose_hidden, model.logits = self._propose_hidden, self._logits
+        self.keys = None
+
+    def _propose_hidden(self, block_ids, ctx_lens, *args, **kw):
+        self.keys = list(zip(ctx_lens.tolist(), block_ids[:, 0].tolist()))
+        return self.propose_hidden(block_ids, ctx_lens, *args, **kw)
+
+    def _logits(self, hidden):
+        out = self.logits(hidden).float()
+        V = out.shape[-1]
+        for s, key in enumerate(self.keys):
+            cont = self.next.get(key, [])
+            for d in range(min(out.shape[1], len(cont))):
+                out[s, d] = -5.0
+                out[s, d, cont[d]] = 3.0
+                if d % 2 == 0:
+                    out[s, d, (cont[d] + 1) % V] = 4.0  # the decoy, ranked first
+        return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs", "async"])
+def test_trees_emit_the_autoregressive_tokens(models, mode):
+    prompts = [[5, 17, 30, 41], [9, 8, 7, 6, 5, 4, 3], [100, 3, 77]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 33, 21)]
+    ar = run_engine_to_end(engine(models, drafter=None), prompts, params)
+    kw = {"eager": {}, "graphs": {"cuda_graphs": True}, "async": {"cuda_graphs": True, "async_scheduling": True}}[mode]
+    kw["prompt_lookup_min"] = 0  # the drafter's nodes alone
+    eng = engine(models, **kw)
+    assert eng.tree is not None
+    OracleDrafts(eng, [p + o.token_ids for p, o in zip(prompts, ar)])
+    outs = run_engine_to_end(eng, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    # The decoys fill every chain's first draft: only trees accept anything.
+    assert min(o.metrics.mean_acceptance_length for o in outs) >= 2.0
+    if mode == "async":
+        assert eng.num_async_steps > 5
+    chain_eng = engine(models, draft_tree=False, **kw)
+    OracleDrafts(chain_eng, [p + o.token_ids for p, o in zip(prompts, ar)])
+    chained = run_engine_to_end(chain_eng, prompts, params)
+    assert [o.token_ids for o in chained] == [o.token_ids for o in ar]
+    assert max(o.metrics.mean_acceptance_length for o in chained) < 1.5
+
+
+def test_a_lookup_takes_the_lowest_scoring_nodes_as_a_chain():
+    universe, top, plain, plain_tree = random_tree(S=2, G=7, seed=1)
+    lookup = torch.tensor([[50, 51, 52], [60, 61, 62]])
+    tokens, tree = build(top.values, top.indices, universe, 7, lookup, torch.tensor([True, False]))
+    assert tokens[0, 4:].tolist() == [50, 51, 52]
+    assert tree.parent[0, 4:].tolist() == [0, 5, 6] and tree.depth[0, 4:].tolist() == [1, 2, 3]
+    assert tree.ancestors[0, 6].tolist() == [False] * 4 + [True] * 3
+    assert not tree.ancestors[0, :4, 4:].any()
+    # The drafter keeps its best four nodes (a closed tree) in row 0, all seven in row 1.
+    kept, _ = build(top.values, top.indices, universe, 4)
+    assert tokens[0, :4].tolist() == kept[0].tolist()
+    assert torch.equal(tokens[1], plain[1]) and torch.equal(tree.parent[1], plain_tree.parent[1])
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_trees_with_lookup_branches_emit_the_autoregressive_tokens(models, async_):
+    prompts = [[5, 6, 7, 8, 9] * 4, [9, 8, 7, 6, 5, 4, 3] * 3]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 2
+    ar = run_engine_to_end(engine(models, drafter=None), prompts, params)
+    eng = engine(models, prompt_lookup_min=1, cuda_graphs=True, async_scheduling=async_)
+    outs = run_engine_to_end(eng, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    assert sum(o.metrics.num_lookup_steps for o in outs) > 0
+
+
+def test_sampled_rows_verify_chains(models):
+    eng = engine(models)
+    prompts = [[5, 17, 30, 41], [9, 8, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=1.0, seed=3, max_tokens=12)]
+    calls = []
+    propose = eng.drafter.propose
+    eng.drafter.propose = lambda batch: calls.append(batch.tree) or propose(batch)
+    run_engine_to_end(eng, prompts, params)
+    assert calls and not any(calls)  # a batch with a sampled row drafts chains
+    calls.clear()
+    run_engine_to_end(eng, [[5, 17, 30, 41]], [SamplingParams(temperature=0.0, max_tokens=12)])
+    assert calls and all(calls)
+
+
+def test_draft_tree_where_it_cannot_run_is_refused(tmp_path):
+    root = make_models(tmp_path, block_size=8)
+    with pytest.raises(ConfigError, match="draft_tree"):
+        engine(root, draft_tree=True, num_speculative_tokens=1)
+    assert engine(root, num_speculative_tokens=1).tree is None  # unset: chains where trees cannot run
+
+
+# --------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_tree_attention_kernel_matches_the_reference(dtype):
+    from test_kernels import _f64, _kernels, assert_close, paged_case
+
+    _, _, _, tree = random_tree(S=3, G=15, K=4, vocab=40, seed=4)
+    # Three verify blocks of 16 rows and a prefill chunk (causal, -1) in one batch.
+    args = paged_case("cuda", dtype, [16, 16, 16, 37], [16 + 40, 16 + 3, 16 + 200, 37 + 9], kv_heads=2, group=3)
+    mask = torch.cat([row_masks(tree).reshape(-1), torch.full((37,), -1, dtype=torch.int32)]).cuda()
+    out = _kernels().paged_attention(**args, tree_mask=mask)
+    ref = paged_attention_ref(**_f64(args), tree_mask=mask)
+    assert_close(out, ref)
+    plain = paged_attention_ref(**_f64(args))
+    assert (ref[:48] - plain[:48]).abs().max() > 1e-3  # the mask changed the tree rows
+    torch.testing.assert_close(ref[48:], plain[48:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_trees_emit_the_autoregressive_tokens(models, dtype):
+    prompts = [[5, 17, 30, 41], [9, 8, 7, 6, 5, 4, 3], [100, 3, 77]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 33, 21)]
+    ar = run_engine_to_end(engine(models, drafter=None, device="cuda", dtype=dtype, cuda_graphs=False),
+                           prompts, params)
+    eng = engine(models, device="cuda", dtype=dtype, cuda_graphs=False)  # eager: the oracle patches Python calls
+    OracleDrafts(eng, [p + o.token_ids for p, o in zip(prompts, ar)])
+    outs = run_engine_to_end(eng, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    assert min(o.metrics.mean_acceptance_length for o in outs) >= 2.0
+    # Graphs and async steps (the drafter's own trees) against the CPU's tokens.
+    cpu = run_engine_to_end(engine(models), prompts, params)
+    for kw in ({"cuda_graphs": True}, {"cuda_graphs": True, "async_scheduling": True}):
+        if dtype == "float32":
+            eng = engine(models, device="cuda", dtype=dtype, **kw)
+            assert [o.token_ids for o in run_engine_to_end(eng, prompts, params)] == [o.token_ids for o in cpu]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_tree_rows_are_decode_rows_bit_for_bit(dtype):
+    """Each tree row of a verify launch gives the bits of a one-token decode
+    launch of the same token over its own prefix (context, then its
+    ancestors at consecutive positions): speculative greedy output stays the
+    autoregressive engine's on the GPU too."""
+    from test_kernels import _kernels, paged_case
+
+    kern = _kernels()
+    S, B = 3, 16
+    _, _, _, tree = random_tree(S=S, G=B - 1, K=4, vocab=40, seed=7)
+    ctx = [40, 3, 300]
+    args = paged_case("cuda", dtype, [B] * S, [c + B for c in ctx], kv_heads=3, group=3, head_dim=64, pad_seq=64)
+    mask = row_masks(tree).reshape(-1).cuda()
+    out = kern.paged_attention(**args, tree_mask=mask)
+    depths = row_depths(tree)
+    bs = args["k_cache"].shape[1]
+    tables = args["block_tables"].long().cpu()
+
+    def slot(s, pos):
+        return int(tables[s, pos // bs]) * bs + pos % bs
+
+    for i in range(B):
+        k, v = args["k_cache"].clone(), args["v_cache"].clone()
+        for s in range(S):
+            anc = [0] + [j + 1 for j in range(B - 1) if i and tree.ancestors[s, i - 1, j]]
+            for d, row in enumerate(anc):
+                k.view(-1, *k.shape[2:])[slot(s, ctx[s] + d)] = args["k_cache"].view(-1, *k.shape[2:])[slot(s, ctx[s] + row)]
+                v.view(-1, *v.shape[2:])[slot(s, ctx[s] + d)] = args["v_cache"].view(-1, *v.shape[2:])[slot(s, ctx[s] + row)]
+        q = args["q"].view(S, B, *args["q"].shape[1:])[:, i].contiguous()
+        seq_lens = torch.tensor([c + int(depths[s, i]) + 1 for s, c in enumerate(ctx)], device="cuda")
+        dec = kern.paged_attention(q, k, v, torch.arange(S + 1, device="cuda"), seq_lens, args["block_tables"],
+                                   1, args["max_seq_len"], args["scale"])
+        assert torch.equal(dec, out.view(S, B, *out.shape[1:])[:, i]), f"row {i}"
