@@ -12,6 +12,7 @@ from specray.actors.models.dflash import DFlashDrafter
 from specray.actors.target import allocated_bytes, resolve_device
 from specray.actors.weights import Checkpoint, CheckpointError, torch_dtype
 from specray.config import DrafterSpec, TargetSpec
+from specray.kernels import ops
 from specray.plan import DraftBatch, DraftOutput
 from specray.draft_tree import DraftTree, TreeUniverse, build, lookup_nodes
 from specray.sampling import sample_draft_tokens
@@ -22,12 +23,11 @@ def draft_tree_of(logits: torch.Tensor, universe: TreeUniverse, lookup: torch.Te
     """A tree of ``G`` nodes per row from the drafter's logits ``[S, G, V]``
     (and prompt-lookup drafts ``[S, >= L]`` where ``has_lookup``:
     ``draft_tree.build``)."""
-    top = logits.topk(universe.top_k, dim=-1)
-    top_logprobs = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+    top_logprobs, top_ids = ops.top_logprobs(logits, universe.top_k)
     G = logits.shape[1]
     if lookup is not None:
         lookup = lookup[:, : lookup_nodes(G)]
-    return build(top_logprobs, top.indices, universe, G, lookup, has_lookup)
+    return build(top_logprobs, top_ids, universe, G, lookup, has_lookup)
 
 
 def load_shared_head(target: TargetSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,8 @@ import torch
 
 from specray.actors.drafter import draft_tree_of
 from specray.actors.graphs import DecodeGraphs
-from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, move_kv, path_tokens, row_depths, row_masks
-from specray.kernels.ops import accept_advance, argmax, block_inputs, lookup_drafts
+from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, path_tokens, row_depths, row_masks
+from specray.kernels.ops import accept_advance, argmax, block_inputs, lookup_drafts, move_kv
 from specray.plan import AttentionMetadata
 from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens, verify
 

@@ -9,11 +9,11 @@ import torch
 
 from specray.actors.graphs import DecodeGraphs
 from specray.actors.kv_cache import allocate_kv_cache
-from specray.draft_tree import move_kv
 from specray.actors.models.layers import TPContext
 from specray.actors.models.qwen3 import TargetModel
 from specray.actors.weights import Checkpoint, torch_dtype
 from specray.config import EngineConfig, TargetSpec
+from specray.kernels import ops
 from specray.plan import AttentionMetadata, TargetBatch
 from specray.staging import host_to_device
 
@@ -246,7 +246,7 @@ class TargetWorker:
     def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy the cache's K/V at ``src_slots`` to ``dst_slots`` in every
         layer (a draft tree's accepted nodes to their positions' slots)."""
-        move_kv(self.kv_cache, host_to_device(src_slots, self.device), host_to_device(dst_slots, self.device))
+        ops.move_kv(self.kv_cache, host_to_device(src_slots, self.device), host_to_device(dst_slots, self.device))
 
     def hidden_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Tapped hidden states ``[n, k*H]`` of the given rows of the last

@@ -81,6 +81,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--num-speculative-tokens", type=int, help="drafts per step (default: the drafter's block - 1)")
     p.add_argument("--prompt", default="Explain why the sky is blue, in a few paragraphs.")
+    p.add_argument("--no-draft-tree", action="store_true", help="verify chains (draft_tree=False)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     res = {"temperature": args.temperature, "top_p": args.top_p, "batch_size": args.batch_size,
@@ -88,7 +89,8 @@ def main(argv=None):
     for name, drafter in (("spec", args.drafter), ("ar", None)):
         llm = LLM(args.target, drafter, device="cuda", cuda_graphs=args.cuda_graphs, max_num_seqs=max(8, args.batch_size),
                   async_scheduling=args.async_scheduling, gpu_memory_utilization=0.3,
-                  num_speculative_tokens=args.num_speculative_tokens)
+                  num_speculative_tokens=args.num_speculative_tokens,
+                  draft_tree=False if args.no_draft_tree else None)
         res[name] = profile_engine(llm, args.prompt, args.steps, args.temperature, args.batch_size, args.top_p)
         del llm
         torch.cuda.empty_cache()

@@ -40,24 +40,27 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.kernels import ops
+
 TREE_FILE = "draft_tree.json"  # rank paths, beside a drafter's config.json
 
 
 @dataclass
 class TreeUniverse:
-    """Candidate rank paths, parents before children."""
+    """Candidate rank paths, parents before children, as the tables
+    ``kernels/tree.py`` reads."""
 
     paths: list[tuple[int, ...]]
     top_k: int  # ranks 0 .. top_k - 1 at every depth
-    select: torch.Tensor  # [U, G * top_k] float: path u takes rank r at depth d
-    depth: torch.Tensor  # [U] int64, 1..G
+    path_index: torch.Tensor  # [U, D] int64: depth * top_k + rank of each step, -1 past the path
+    anc_index: torch.Tensor  # [U, D] int64: the path's prefixes (its ancestors, then itself), -1 past it
+    depth: torch.Tensor  # [U] int64, 1..D
     rank: torch.Tensor  # [U] int64, the rank at the path's last depth
     parent: torch.Tensor  # [U] int64, -1 for depth 1
-    ancestors: torch.Tensor  # [U, U] bool, ancestors[u, v]: v is u or an ancestor of u
 
     def to(self, device) -> "TreeUniverse":
         return TreeUniverse(self.paths, self.top_k, *(t.to(device) for t in
-                            (self.select, self.depth, self.rank, self.parent, self.ancestors)))
+                            (self.path_index, self.anc_index, self.depth, self.rank, self.parent)))
 
 
 def make_universe(paths: list[list[int]] | list[tuple[int, ...]], max_depth: int) -> TreeUniverse:
@@ -76,18 +79,16 @@ def make_universe(paths: list[list[int]] | list[tuple[int, ...]], max_depth: int
         index[p] = u
     if not paths:
         raise ValueError("a draft tree needs at least one path")
-    U, K = len(paths), max(max(p) for p in paths) + 1
-    select = torch.zeros(U, max_depth * K)
-    ancestors = torch.zeros(U, U, dtype=torch.bool)
-    parent = torch.full((U,), -1, dtype=torch.int64)
+    U, K, D = len(paths), max(max(p) for p in paths) + 1, max(len(p) for p in paths)
+    path_index = torch.full((U, D), -1, dtype=torch.int64)
+    anc_index = torch.full((U, D), -1, dtype=torch.int64)
     for u, p in enumerate(paths):
         for d, r in enumerate(p):
-            select[u, d * K + r] = 1.0
-            ancestors[u, index[p[: d + 1]]] = True
-        if len(p) > 1:
-            parent[u] = index[p[:-1]]
-    return TreeUniverse(paths, K, select, torch.tensor([len(p) for p in paths]),
-                        torch.tensor([p[-1] for p in paths]), parent, ancestors)
+            path_index[u, d] = d * K + r
+            anc_index[u, d] = index[p[: d + 1]]
+    return TreeUniverse(paths, K, path_index, anc_index, torch.tensor([len(p) for p in paths]),
+                        torch.tensor([p[-1] for p in paths]),
+                        torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths]))
 
 
 def generic_paths(max_depth: int, max_rank_sum: int = 3, max_rank: int = 7) -> list[tuple[int, ...]]:
@@ -118,14 +119,15 @@ class DraftTree:
 
     parent: torch.Tensor  # [S, N] int64: block row of node j's parent (0: the anchor)
     depth: torch.Tensor  # [S, N] int64: 1..N
-    ancestors: torch.Tensor  # [S, N, N] bool: [s, i, j]: node j is node i or one of its ancestors
+    masks: torch.Tensor  # [S, N + 1] int32: bit j of row i: row i is row j or descends from it
 
 
 def chain(num_seqs: int, num_nodes: int, device) -> DraftTree:
     """The tree of a chain: node j's parent is row j."""
     j = torch.arange(num_nodes, device=device)
-    return DraftTree(j.expand(num_seqs, -1), (j + 1).expand(num_seqs, -1),
-                     (j[None, :] <= j[:, None]).expand(num_seqs, -1, -1))
+    rows = torch.arange(num_nodes + 1, device=device)
+    masks = ((1 << (rows + 1)) - 1).int()
+    return DraftTree(j.expand(num_seqs, -1), (j + 1).expand(num_seqs, -1), masks.expand(num_seqs, -1))
 
 
 def lookup_nodes(num_nodes: int) -> int:
@@ -143,46 +145,14 @@ def build(top_logprobs: torch.Tensor, top_ids: torch.Tensor, universe: TreeUnive
     descending). With ``lookup`` ``[S, L]`` (prompt-lookup drafts), rows where
     ``has_lookup`` ``[S]`` give their ``L`` lowest-scoring nodes to a chain of
     those tokens, placed last. Returns the nodes' tokens ``[S, N]`` and the
-    tree."""
-    S, G, K = top_ids.shape
-    Ku, U, N, dev = universe.top_k, len(universe.paths), num_nodes, top_ids.device
-    if K < Ku:
-        raise ValueError(f"the tree needs the top {Ku} drafts of each position, got {K}")
-    lp = top_logprobs[:, :, :Ku].float().reshape(S, G * Ku)
-    # A deeper path pays a little more, so a child never ties its parent.
-    score = lp @ universe.select.T - 1e-4 * universe.depth
-    by_score = score.topk(N, dim=1).indices  # [S, N], best first
-    j = torch.arange(N, device=dev)
-    L = 0 if lookup is None else lookup.shape[1]
-    # A node's sort key: its universe index (parents first), or past every
-    # index for the lookup chain's nodes, in chain order.
-    is_lookup = (j >= N - L)[None] & (has_lookup[:, None] if L else torch.zeros(S, 1, dtype=torch.bool, device=dev))
-    key = torch.where(is_lookup, U + 1 + j, by_score).sort(dim=1).values
-    is_lookup = key > U  # the sort keeps them last: [S, N]
-    picked = torch.where(is_lookup, 0, key)
-    depth = universe.depth[picked]
-    tokens = _node_tokens(top_ids, depth, universe.rank[picked])
-    # Block row of each universe path in this row's tree; column U is the
-    # anchor (row 0), column U + 1 takes the lookup nodes' writes.
-    row_of = torch.zeros(S, U + 2, dtype=torch.int64, device=dev)
-    row_of.scatter_(1, torch.where(is_lookup, U + 1, picked), (j + 1).expand(S, -1))
-    parent_u = universe.parent[picked]
-    parent = row_of.gather(1, torch.where(parent_u < 0, U, parent_u))
-    ancestors = universe.ancestors[picked[:, :, None], picked[:, None, :]] & ~is_lookup[:, None, :]
-    if L:
-        c = (j - (N - L)).clamp(min=0)  # place in the lookup chain
-        tokens = torch.where(is_lookup, lookup.gather(1, c[None].expand(S, -1).clamp(max=L - 1)), tokens)
-        depth = torch.where(is_lookup, c + 1, depth)
-        parent = torch.where(is_lookup, torch.where(c == 0, 0, j), parent)
-        chain_anc = is_lookup[:, None, :] & (j[None, :] <= j[:, None])[None]
-        ancestors = torch.where(is_lookup[:, :, None], chain_anc, ancestors)
-    return tokens, DraftTree(parent, depth, ancestors)
-
-
-def _node_tokens(top_ids: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """``top_ids[s, depth - 1, rank]`` for every node."""
-    S, G, K = top_ids.shape
-    return top_ids.reshape(S, G * K).gather(1, (depth - 1) * K + rank)
+    tree (``kernels/tree.py``)."""
+    K = universe.top_k
+    if top_ids.shape[2] < K:
+        raise ValueError(f"the tree needs the top {K} drafts of each position, got {top_ids.shape[2]}")
+    tokens, parent, depth, masks = ops.build_tree(
+        top_logprobs[:, :, :K].contiguous(), top_ids[:, :, :K].contiguous(), universe.path_index, universe.anc_index,
+        universe.depth, universe.rank, universe.parent, num_nodes, lookup, has_lookup)
+    return tokens, DraftTree(parent, depth, masks)
 
 
 def row_depths(tree: DraftTree) -> torch.Tensor:
@@ -194,12 +164,7 @@ def row_masks(tree: DraftTree) -> torch.Tensor:
     """``[S, N + 1]`` int32: bit ``j`` of row ``i`` is set when row ``i`` may
     attend to row ``j`` of its block (the anchor, its ancestors, itself).
     Blocks are at most 32 rows."""
-    S, N = tree.depth.shape
-    bits = torch.ones(N + 1, dtype=torch.int64, device=tree.depth.device) << torch.arange(
-        N + 1, device=tree.depth.device)
-    nodes = (tree.ancestors.long() * bits[None, None, 1:]).sum(-1) | 1  # [S, N]
-    masks = torch.cat([torch.ones_like(nodes[:, :1]), nodes], 1)
-    return torch.where(masks >= 2**31, masks - 2**32, masks).int()
+    return tree.masks
 
 
 @dataclass
@@ -221,7 +186,11 @@ def accept_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor, tree: Draft
     dev = tokens.device
     nodes = torch.arange(N, device=dev)
     match = (tokens == target_argmax.gather(1, tree.parent)) & (nodes[None] < num_drafts[:, None])
-    ok = ~(tree.ancestors & ~match[:, None, :]).any(-1)  # [S, N]: the node and its ancestors match
+    # A node is accepted when it and every ancestor match: its mask's bits
+    # are all among the matching rows' (the anchor always matches).
+    matching = (match.long() << (nodes + 1)).sum(1, keepdim=True) | 1
+    node_bits = tree.masks[:, 1:].long() & 0xFFFFFFFF
+    ok = (node_bits & matching) == node_bits  # [S, N]
     reach = torch.where(ok, tree.depth, 0)
     num_accepted, deepest = reach.max(1)
     best_row = torch.where(num_accepted > 0, deepest + 1, 0)
@@ -246,12 +215,3 @@ def kv_moves(row_slots: torch.Tensor, path_rows: torch.Tensor) -> tuple[torch.Te
     row k's. Past the path, rows copy onto themselves."""
     src = row_slots.gather(1, path_rows)
     return src.reshape(-1), row_slots[:, 1:].reshape(-1)
-
-
-def move_kv(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy every layer's K and V of slots ``src`` to slots ``dst``
-    (``kv_cache`` ``[L, 2, blocks, block_size, kv_heads, D]``); all sources
-    are read before any is written."""
-    L, two, nb, bs = kv_cache.shape[:4]
-    flat = kv_cache.view(L, two, nb * bs, *kv_cache.shape[4:])
-    flat.index_copy_(2, dst, flat.index_select(2, src))

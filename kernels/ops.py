@@ -11,6 +11,8 @@ from specray.kernels.attention import (
     paged_attention_ref,
     store_kv,
 )
+from specray.kernels.kv_move import move_kv_ref
+from specray.kernels.tree import build_tree_ref, top_logprobs_ref
 from specray.kernels.lookup import lookup_drafts_ref
 from specray.kernels.step_glue import accept_advance_ref, block_inputs_ref
 
@@ -20,8 +22,10 @@ try:  # triton is optional: CPU installs run the references
     from specray.kernels import lookup_triton as _lookup
     from specray.kernels import argmax_triton as _argmax
     from specray.kernels import step_glue_triton as _glue
+    from specray.kernels import kv_move_triton as _kv_move
+    from specray.kernels import tree_triton as _tree
 except Exception:  # ImportError, or a triton that cannot initialise here
-    _triton = _fused = _lookup = _argmax = _glue = None
+    _triton = _fused = _lookup = _argmax = _glue = _kv_move = _tree = None
 
 # The fused elementwise kernels copy the reference's roundings in 16-bit
 # dtypes; fp32 runs the references, so fp32 on a GPU gives the CPU's bits
@@ -41,6 +45,22 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
                                        max_query_len, max_seq_len, scale, sliding_window, tree_mask, tree=tree)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                max_query_len, max_seq_len, scale, sliding_window, tree_mask)
+
+
+def move_kv(kv_cache, src, dst):
+    fn = _kv_move.move_kv if _kv_move is not None and kv_cache.is_cuda else move_kv_ref
+    return fn(kv_cache, src, dst)
+
+
+def build_tree(top_logprobs, top_ids, path_index, anc_index, depth, rank, parent, num_nodes, lookup=None,
+               has_lookup=None):
+    fn = _tree.build_tree if _tree is not None and top_ids.is_cuda else build_tree_ref
+    return fn(top_logprobs, top_ids, path_index, anc_index, depth, rank, parent, num_nodes, lookup, has_lookup)
+
+
+def top_logprobs(logits, k):
+    fn = _tree.top_logprobs if _tree is not None and logits.is_cuda else top_logprobs_ref
+    return fn(logits, k)
 
 
 def tree_rows(tree_mask):
@@ -105,4 +125,4 @@ def accept_advance(argmax, num_accepted, bonus, drafts, block_len, looked_up, dr
 
 
 __all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "context_kv", "silu_mul", "argmax", "lookup_drafts",
-           "block_inputs", "accept_advance"]
+           "block_inputs", "accept_advance", "move_kv", "tree_rows", "build_tree", "top_logprobs"]
