@@ -72,7 +72,7 @@ from specray.batch_io import (
     record_id,
     validate_record,
 )
-from specray.cli import add_model_args, lookup_args
+from specray.cli import add_model_args, drafting_args
 from specray.config import ConfigError
 from specray.detokenizer import chat_prompt_ids
 from specray.request import PromptsRefused
@@ -267,7 +267,7 @@ def _connect_ray(address: str | None, num_cpus: int | None) -> bool:
 
 def _engine_kwargs(args, target: str, drafter: str | None) -> dict:
     kw: dict = dict(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
-                    num_speculative_tokens=args.num_speculative_tokens, **lookup_args(args))
+                    num_speculative_tokens=args.num_speculative_tokens, **drafting_args(args))
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
     for item in args.engine_arg or []:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from specray.cli import add_model_args, lookup_args
+from specray.cli import add_model_args, drafting_args
 from specray.detokenizer import chat_prompt_ids
 
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = dict(max_model_len=max_len, gpu_memory_utilization=0.4, cuda_graphs=graphs,
                async_scheduling=args.async_scheduling, max_num_seqs=max(8, args.batch_size))
     spec = LLM(target, drafter, device=args.device, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
-               **lookup_args(args), **mem)
+               **drafting_args(args), **mem)
     ar = LLM(target, None, device=args.device, dtype=args.dtype, **mem)
     rows = load_prompts(args.prompts, spec.tokenizer, args.limit)
     prompts = [text for _, text in rows]
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
                "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": spec.config.prompt_lookup_min,
                "prompt_lookup_agree": spec.config.prompt_lookup_agree,
+               "draft_tree": getattr(getattr(spec, "engine", None), "tree", None) is not None,
                "num_speculative_tokens": block - 1,
                "max_tokens": args.max_tokens, "block_size": block, "top_p": args.top_p, "by_temperature": {}}
     for temp in args.temperatures:

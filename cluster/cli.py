@@ -28,12 +28,15 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
         p.add_argument("--prompt-lookup-agree", action=argparse.BooleanOptionalAction, default=None,
                        help="take a greedy request's lookup draft only where it opens with the drafter's first "
                             "draft token (the drafter then runs every step; default: on with --async-scheduling)")
+        p.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, default=None,
+                       help="greedy requests verify a tree of the drafter's likeliest continuations instead of one "
+                            "chain (default: on where the target and drafter share a process)")
 
 
-def lookup_args(args) -> dict:
-    """The engine settings of the prompt-lookup flags (a flag left out keeps
-    the engine's default)."""
-    return {name: getattr(args, name) for name in ("prompt_lookup_min", "prompt_lookup_agree")
+def drafting_args(args) -> dict:
+    """The engine settings of the drafting flags (prompt lookup, draft
+    trees; a flag left out keeps the engine's default)."""
+    return {name: getattr(args, name) for name in ("prompt_lookup_min", "prompt_lookup_agree", "draft_tree")
             if getattr(args, name, None) is not None}
 
 
@@ -74,7 +77,7 @@ def cmd_generate(args) -> int:
     target, drafter = resolve_models(args)
     t = time.perf_counter()
     llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              num_speculative_tokens=args.num_speculative_tokens, **lookup_args(args))
+              num_speculative_tokens=args.num_speculative_tokens, **drafting_args(args))
     load_s = time.perf_counter() - t
     prompt = args.prompt
     if args.chat and llm.tokenizer is not None:

@@ -425,6 +425,8 @@ def test_gpu_top_logprobs_kernel_matches_the_reference(dtype):
     lp, idx = top_logprobs(logits, 8)
     ref_lp, ref_idx = top_logprobs_ref(logits, 8)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
-    # bf16 logits tie: then the lower index comes first; the values agree either way.
-    same = idx == ref_idx
-    assert same.float().mean() > 0.9 and torch.equal(logits.gather(-1, idx), logits.gather(-1, ref_idx))
+    # bf16 logits tie often (11 % of these indices): the kernel puts the
+    # lower index first, as a stable descending sort does; torch.topk's
+    # order among ties is its own, so only the values are compared with it.
+    assert torch.equal(idx, torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :8])
+    assert torch.equal(logits.gather(-1, idx), logits.gather(-1, ref_idx))

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from specray.cli import add_model_args, lookup_args
+from specray.cli import add_model_args, drafting_args
 
 SAMPLE_QUESTION = "What is the capital of France?"
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter_placement=args.drafter_placement, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued, api_key=api_key, num_replicas=args.num_replicas,
-        engine=dict(**lookup_args(args), num_speculative_tokens=args.num_speculative_tokens,
+        engine=dict(**drafting_args(args), num_speculative_tokens=args.num_speculative_tokens,
                     cuda_graphs=False if args.eager else None,
                     async_scheduling=args.async_scheduling),
     )
