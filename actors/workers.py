@@ -254,6 +254,10 @@ class TPDriver:
     def hidden_rows(self, rows):
         return self.worker.hidden_rows(rows)
 
+    def move_kv(self, src_slots, dst_slots) -> None:
+        # Draft trees run only where the model is local (TP 1): one worker holds the cache.
+        self.worker.move_kv(src_slots, dst_slots)
+
     @property
     def local_model(self) -> bool:
         return self.worker.local_model

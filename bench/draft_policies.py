@@ -98,7 +98,13 @@ def policies() -> dict:
 
 
 @torch.no_grad()
-def score(target_dir: str, drafter_dir: str, rows, max_tokens: int, feed: list[int]) -> tuple[list[dict], dict]:
+def teacher_forced(target_dir: str, drafter_dir: str, rows, max_tokens: int):
+    """Serve ``rows`` greedily (CPU fp32), then yield per prompt with two or
+    more new tokens ``(id, output, tokens, block, logits_of)``: ``block``
+    ``[1, anchors, B]`` is ``[token at a, MASK...]`` at every anchor ``a``
+    of the continuation (context: the tokens before ``a``), and
+    ``logits_of(block)`` the drafter's logits ``[anchors, B - 1, V]`` for
+    such blocks, all anchors in one forward, as training runs them."""
     td = training_module()
     from transformers import AutoModelForCausalLM
 
@@ -112,11 +118,6 @@ def score(target_dir: str, drafter_dir: str, rows, max_tokens: int, feed: list[i
     drafter.load_state_dict(state, strict=False)
     drafter = drafter.float().eval()
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
-
-    def drafts(feats, block, anchors):
-        return F.linear(drafter(feats, F.embedding(block, embed), anchors)[:, :, 1:], lm_head).argmax(-1)[0]
-
-    seqs, tf = [], {"one pass": [0, 0], **{f"second pass shown {j}": [0, 0] for j in feed}}
     for (rid, _), o in zip(rows, outs):
         P, tokens = len(o.prompt_token_ids), o.prompt_token_ids + o.token_ids
         if len(tokens) - P < 2:
@@ -127,7 +128,19 @@ def score(target_dir: str, drafter_dir: str, rows, max_tokens: int, feed: list[i
         anchors = torch.arange(P, len(tokens) - 1)[None]  # block [token at a, MASK...], context < a
         block = ids[(anchors[..., None] + torch.arange(B)).clamp(max=len(tokens) - 1)]
         block[..., 1:] = mask_id
-        first = drafts(feats, block, anchors)  # [anchors, B-1]
+
+        def logits_of(blk, feats=feats, anchors=anchors):
+            return F.linear(drafter(feats, F.embedding(blk, embed), anchors)[:, :, 1:], lm_head)[0]
+
+        yield rid, o, tokens, block, logits_of
+
+
+@torch.no_grad()
+def score(target_dir: str, drafter_dir: str, rows, max_tokens: int, feed: list[int]) -> tuple[list[dict], dict]:
+    seqs, tf = [], {"one pass": [0, 0], **{f"second pass shown {j}": [0, 0] for j in feed}}
+    for rid, o, tokens, block, logits_of in teacher_forced(target_dir, drafter_dir, rows, max_tokens):
+        P, B = len(o.prompt_token_ids), block.shape[-1]
+        first = logits_of(block).argmax(-1)  # [anchors, B-1]
         cand = {"drafter": first.tolist()}
         for name, (lo, hi) in LOOKUPS.items():
             index = NgramIndex(lo, hi)
@@ -141,7 +154,7 @@ def score(target_dir: str, drafter_dir: str, rows, max_tokens: int, feed: list[i
         for j in feed:
             shown = block.clone()
             shown[0, :, 1 : 1 + j] = first[:, :j]
-            second = drafts(feats, shown, anchors)
+            second = logits_of(shown).argmax(-1)
             second[:, :j] = first[:, :j]
             variants[f"second pass shown {j}"] = second
         for name, d in variants.items():

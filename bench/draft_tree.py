@@ -21,51 +21,34 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from draft_policies import accepted, training_module
+from draft_policies import accepted, teacher_forced
 
-from specray import LLM, SamplingParams
 from specray.bench import load_prompts, save_report
 from specray.cli import add_model_args, resolve_models
 from specray.detokenizer import load_tokenizer
-from specray.draft_tree import build, generic_paths, make_universe
+from specray.draft_tree import TREE_FILE, build, generic_paths, load_universe, make_universe, with_enough_paths
+from specray.prompt_lookup import NgramIndex
 
 TOP_K = 8
 
 
 @torch.no_grad()
 def score(target_dir: str, drafter_dir: str, rows, max_tokens: int) -> list[dict]:
-    """Per prompt: its tokens, prompt length and the drafter's top-k
-    log-probabilities / ids at every anchor ``[anchors, B - 1, TOP_K]``."""
-    td = training_module()
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(target_dir, None, device="cpu", dtype="float32")
-    outs = llm.generate([text for _, text in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    config, state = td.load_drafter(drafter_dir, target_dir)
-    taps, B = config.dflash_config["target_layer_ids"], config.block_size
-    mask_id = config.dflash_config["mask_token_id"]
-    drafter = td.Drafter(config, max(len(o.prompt_token_ids) + len(o.token_ids) for o in outs) + B)
-    drafter.load_state_dict(state, strict=False)
-    drafter = drafter.float().eval()
-    embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
+    """Per prompt: its tokens, prompt length, the drafter's top-k
+    log-probabilities / ids at every anchor ``[anchors, B - 1, TOP_K]`` and
+    the prompt-lookup draft there, as served (1..4-token matches)."""
     seqs = []
-    for (rid, _), o in zip(rows, outs):
-        P, tokens = len(o.prompt_token_ids), o.prompt_token_ids + o.token_ids
-        if len(tokens) - P < 2:
-            continue
-        ids = torch.tensor(tokens)
-        hs = target.model(input_ids=ids[None], output_hidden_states=True, use_cache=False).hidden_states
-        feats = torch.cat([hs[t + 1] for t in taps], -1)
-        anchors = torch.arange(P, len(tokens) - 1)[None]
-        block = ids[(anchors[..., None] + torch.arange(B)).clamp(max=len(tokens) - 1)]
-        block[..., 1:] = mask_id
-        logits = F.linear(drafter(feats, F.embedding(block, embed), anchors)[:, :, 1:], lm_head)[0]
-        top = logits.log_softmax(-1).topk(TOP_K, -1)
-        seqs.append({"id": rid, "prompt_len": P, "tokens": tokens, "top_lp": top.values, "top_ids": top.indices})
+    for rid, o, tokens, block, logits_of in teacher_forced(target_dir, drafter_dir, rows, max_tokens):
+        P, B = len(o.prompt_token_ids), block.shape[-1]
+        top = logits_of(block).log_softmax(-1).topk(TOP_K, -1)
+        index = NgramIndex(1, 4)
+        found = [index.propose(o.prompt_token_ids, o.token_ids[: a - P + 1], B - 1) for a in range(P, len(tokens) - 1)]
+        lookup = torch.tensor([(d + d[-1:] * B)[: B - 1] if d else [0] * (B - 1) for d in found])
+        seqs.append({"id": rid, "prompt_len": P, "tokens": tokens, "top_lp": top.values, "top_ids": top.indices,
+                     "lookup": lookup, "has_lookup": torch.tensor([bool(d) for d in found])})
     return seqs
 
 
@@ -92,15 +75,17 @@ def fitted_paths(counts: Counter, n: int) -> list[tuple[int, ...]]:
     return [p for p, _ in sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[:n]]
 
 
-def replay(seqs: list[dict], universe) -> float:
+def replay(seqs: list[dict], universe, lookup_nodes: int = 0) -> float:
     """Mean acceptance length of serving each sequence with trees of
-    ``B - 1`` nodes from ``universe`` (None: the drafter's chain)."""
+    ``B - 1`` nodes from ``universe`` (None: the drafter's chain), a lookup
+    draft taking ``lookup_nodes`` of them where there is one."""
     tokens_out = steps = 0
     for s in seqs:
         tokens, P = s["tokens"], s["prompt_len"]
         G = s["top_ids"].shape[1]
         if universe is not None:
-            node_tokens, tree = build(s["top_lp"], s["top_ids"], universe, G)
+            lk = (s["lookup"][:, :lookup_nodes], s["has_lookup"]) if lookup_nodes else (None, None)
+            node_tokens, tree = build(s["top_lp"], s["top_ids"], universe, G, *lk)
             node_tokens, parents = node_tokens.tolist(), tree.parent.tolist()
         a = P
         while a < len(tokens) - 1:
@@ -129,6 +114,8 @@ def main(argv=None) -> dict:
     p.add_argument("--paths", type=int, default=128, help="rank paths the fitted universe keeps")
     p.add_argument("--write", help="write the paths fitted on --prompts here (draft_tree.json)")
     p.add_argument("--universe", help="a draft_tree.json to replay as well")
+    p.add_argument("--lookup-nodes", type=int, nargs="*", default=[],
+                   help="also replay the last universe with a lookup branch of each of these sizes")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if args.device != "cpu":
@@ -139,16 +126,19 @@ def main(argv=None) -> dict:
     rows = load_prompts(args.prompts, load_tokenizer(target), args.limit)
     seqs = score(target, drafter, rows, args.max_tokens)
     G = seqs[0]["top_ids"].shape[1]
-    paths = fitted_paths(path_counts(seqs), args.paths)
+    paths = with_enough_paths(fitted_paths(path_counts(seqs), args.paths), G)
     universes = {"chain": None, "generic": make_universe(generic_paths(G), G),
                  f"fitted here ({len(paths)} paths)": make_universe(paths, G)}
     if args.universe:
-        universes[args.universe] = make_universe(json.load(open(args.universe))["paths"], G)
+        universes[args.universe] = load_universe(str(Path(args.universe).parent), G) \
+            if Path(args.universe).name == TREE_FILE else make_universe(json.load(open(args.universe))["paths"], G)
     report = {"target": target, "drafter": drafter, "prompts": args.prompts, "n": len(seqs),
               "max_tokens": args.max_tokens, "mean_acceptance_length": {}}
-    for name, u in universes.items():
-        report["mean_acceptance_length"][name] = replay(seqs, u)
-        print(f"{name:50s} {report['mean_acceptance_length'][name]:.3f}", flush=True)
+    runs = [(name, u, 0) for name, u in universes.items()]
+    runs += [(f"{name} + lookup branch of {n}", u, n) for n in args.lookup_nodes for name, u in list(universes.items())[-1:]]
+    for name, u, n in runs:
+        report["mean_acceptance_length"][name] = replay(seqs, u, n)
+        print(f"{name:60s} {report['mean_acceptance_length'][name]:.3f}", flush=True)
     if args.write:
         with open(args.write, "w") as f:
             json.dump({"fitted_on": args.prompts, "max_tokens": args.max_tokens, "paths": [list(q) for q in paths]}, f)

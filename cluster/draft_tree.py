@@ -101,14 +101,28 @@ def generic_paths(max_depth: int, max_rank_sum: int = 3, max_rank: int = 7) -> l
     return paths
 
 
+def with_enough_paths(paths: list[tuple[int, ...]], max_depth: int) -> list[tuple[int, ...]]:
+    """``paths`` and, if they are fewer than a tree's ``max_depth`` nodes,
+    generic ones after them (parents first still)."""
+    paths = [tuple(p) for p in paths]
+    seen = set(paths)
+    for p in generic_paths(max_depth):
+        if len(paths) >= max_depth:
+            break
+        if p not in seen:
+            paths.append(p)
+            seen.add(p)
+    return paths
+
+
 def load_universe(drafter_dir: str | None, max_depth: int) -> TreeUniverse:
     """The drafter's own rank paths (``draft_tree.json``: ``{"paths": [[r1,
     ..], ..]}``, measured on held-out prompts by ``bench/draft_tree.py``),
-    or the generic ones."""
+    or the generic ones. A tree of ``max_depth`` nodes is chosen from it."""
     f = pathlib.Path(drafter_dir or "", TREE_FILE)
     if drafter_dir and f.is_file():
         paths = json.loads(f.read_text())["paths"]
-        return make_universe([p for p in paths if len(p) <= max_depth], max_depth)
+        return make_universe(with_enough_paths([p for p in paths if len(p) <= max_depth], max_depth), max_depth)
     return make_universe(generic_paths(max_depth), max_depth)
 
 

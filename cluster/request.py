@@ -32,7 +32,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    num_lookup_steps: int = 0  # decode steps whose drafts came from prompt lookup
+    num_lookup_steps: int = 0  # decode steps drafted by prompt lookup (with trees: holding a lookup branch)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -430,3 +430,42 @@ def test_gpu_top_logprobs_kernel_matches_the_reference(dtype):
     # order among ties is its own, so only the values are compared with it.
     assert torch.equal(idx, torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :8])
     assert torch.equal(logits.gather(-1, idx), logits.gather(-1, ref_idx))
+
+
+def test_offline_tree_replay_matches_serving(models, tmp_path):
+    """bench/draft_tree.py replays chains and trees against the greedy
+    continuation; for the universe a drafter ships, with and without a
+    lookup branch, it must give what serving measures."""
+    import importlib.util
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from specray import LLM
+    from specray.draft_tree import lookup_nodes
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("draft_tree_bench", bench / "draft_tree.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    drafter = tmp_path / "d"
+    shutil.copytree(models / "d", drafter)
+    (drafter / "draft_tree.json").write_text(json.dumps({"paths": [list(p) for p in generic_paths(7, 2)]}))
+    prompts_file = tmp_path / "p.jsonl"
+    prompts = [[5, 6, 7, 8, 9] * 3, [9, 8, 7, 6, 5, 4, 3] * 2, [100, 3, 77, 12]]
+    prompts_file.write_text("".join(json.dumps({"id": f"t-{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    L = lookup_nodes(7)
+    report = mod.main(["--target", str(models / "t"), "--drafter", str(drafter), "--prompts", str(prompts_file),
+                       "--max-tokens", "30", "--universe", str(drafter / "draft_tree.json"), "--lookup-nodes", str(L)])
+    replayed = report["mean_acceptance_length"]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    for name, kw in (("chain", dict(draft_tree=False, prompt_lookup_min=0)),
+                     (str(drafter / "draft_tree.json"), dict(prompt_lookup_min=0)),
+                     (f"{drafter / 'draft_tree.json'} + lookup branch of {L}", dict(prompt_lookup_min=1))):
+        outs = LLM(models / "t", drafter, max_model_len=96, **kw).generate(prompts, params)
+        lengths = [x for o in outs for x in o.metrics.acceptance_lengths]
+        assert replayed[name] == round(sum(lengths) / len(lengths), 3), name
