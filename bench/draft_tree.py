@@ -93,13 +93,15 @@ def replay(seqs: list[dict], universe, lookup_nodes: int = 0) -> float:
             if universe is None:
                 n = accepted(s["top_ids"][i, :, 0].tolist(), tokens, a)
             else:
-                # Walk the tree: the child of the last accepted row holding the next token.
-                k, row = 0, 0
+                # Walk the tree depth by depth: every child of a matched row
+                # holding the next token matches (a lookup branch may repeat
+                # a drafter node's token and reach deeper below it).
+                k, rows = 0, {0}
                 while a + 1 + k < len(tokens):
-                    nxt = [j for j in range(G) if parents[i][j] == row and node_tokens[i][j] == tokens[a + 1 + k]]
-                    if not nxt:
+                    rows = {j + 1 for j in range(G) if parents[i][j] in rows and node_tokens[i][j] == tokens[a + 1 + k]}
+                    if not rows:
                         break
-                    row, k = nxt[0] + 1, k + 1
+                    k += 1
                 n = min(1 + k, len(tokens) - 1 - a)
             tokens_out, steps, a = tokens_out + n, steps + 1, a + n
     return round(tokens_out / max(steps, 1), 3)

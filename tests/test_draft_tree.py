@@ -432,6 +432,42 @@ def test_gpu_top_logprobs_kernel_matches_the_reference(dtype):
     assert torch.equal(logits.gather(-1, idx), logits.gather(-1, ref_idx))
 
 
+def tree_bench():
+    """bench/draft_tree.py as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("draft_tree_bench", bench / "draft_tree.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod
+
+
+def test_replay_follows_a_lookup_branch_that_repeats_a_drafter_token():
+    """The drafter's first choice and the lookup both open with token 7; only
+    the lookup continues with 8: the replay must accept both (the engine's
+    deepest accepted node), not stop in the drafter's subtree."""
+    mod = tree_bench()
+    G = 3
+    top_ids = torch.tensor([[[7, 1], [2, 3], [4, 5]]]).expand(3, -1, -1).contiguous()  # every anchor alike
+    top_lp = torch.tensor([[[-0.1, -2.0], [-0.1, -2.0], [-0.1, -2.0]]]).expand(3, -1, -1).contiguous()
+    # The prompt is [0]; its first output token 5 is the first step's anchor, 7 8 9 follow.
+    seq = {"tokens": [0, 5, 7, 8, 9], "prompt_len": 1, "top_ids": top_ids, "top_lp": top_lp,
+           "lookup": torch.tensor([[7, 8, 9], [9, 9, 9], [9, 9, 9]]), "has_lookup": torch.tensor([True, False, False])}
+    universe = make_universe(generic_paths(G, 1), G)
+    # The drafter's tree is its chain 7, 2, 4: 7 accepted (2 tokens), then the last token alone.
+    assert mod.replay([seq], universe, 0) == 1.5
+    assert mod.replay([seq], universe, 1) == 1.5  # a lookup branch [7] adds nothing
+    # A branch [7, 8] beside the drafter's [7]: accepted to depth 2 below the repeated 7, in one step.
+    assert mod.replay([seq], universe, 2) == 3.0
+
+
 def test_offline_tree_replay_matches_serving(models, tmp_path):
     """bench/draft_tree.py replays chains and trees against the greedy
     continuation; for the universe a drafter ships, with and without a
@@ -444,14 +480,7 @@ def test_offline_tree_replay_matches_serving(models, tmp_path):
     from specray import LLM
     from specray.draft_tree import lookup_nodes
 
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("draft_tree_bench", bench / "draft_tree.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(bench))
+    mod = tree_bench()
     drafter = tmp_path / "d"
     shutil.copytree(models / "d", drafter)
     (drafter / "draft_tree.json").write_text(json.dumps({"paths": [list(p) for p in generic_paths(7, 2)]}))
