@@ -60,9 +60,9 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
     every input), so the token history and tables exist once.
 
     ``tree`` (greedy graphs with a drafter): blocks hold draft trees chosen
-    from this universe (draft_tree.py) instead of chains and lookups; the
-    accepted nodes' target K/V move to their positions' slots in the same
-    replay."""
+    from this universe (draft_tree.py) instead of chains, a row's lookup
+    draft a branch of its tree; the accepted nodes' target K/V move to their
+    positions' slots in the same replay."""
     dev, B, G = target.device, block_size, block_size - 1
     width = -(-(target.max_model_len + 2 * B) // kv_block_size)
     bufs = {
@@ -130,13 +130,13 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
                 tree_mask = row_masks(shape).reshape(-1)
             else:
                 drafts, draft_idx, draft_q = sample_draft_tokens(draft_logits, st, draft_top_k)
-            if lookup and not use_tree:
-                greedy_rows = None if sampling == "greedy" else st.temperature == 0
-                input_ids, drafts, looked_up = lookup_drafts(history, history_rows, blk.known_lens, blk.block_len,
-                                                             greedy_rows, drafts, last, lookup[0], lookup[1],
-                                                             lookup_agree)
-            elif not use_tree:
-                input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
+                if lookup:
+                    greedy_rows = None if sampling == "greedy" else st.temperature == 0
+                    input_ids, drafts, looked_up = lookup_drafts(history, history_rows, blk.known_lens,
+                                                                 blk.block_len, greedy_rows, drafts, last, lookup[0],
+                                                                 lookup[1], lookup_agree)
+                else:
+                    input_ids, looked_up = torch.cat([last[:, None], drafts], 1), no_lookups[:n]
         else:
             drafts, looked_up = no_drafts[:n], no_lookups[:n]
             input_ids = last[:, None]

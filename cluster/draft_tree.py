@@ -14,8 +14,10 @@ The nodes come from a fixed *universe* of rank paths ordered parents first.
 A child scores strictly below its parent (log-probabilities are <= 0, and
 each depth costs a little more), so the ``B - 1`` best-scoring paths of the
 universe always form a tree; taken in universe order, every node follows its
-parent. That is a top-k and a few gathers per step: no host work, and the
-shapes are fixed (CUDA graphs).
+parent. A row's prompt-lookup draft takes the lowest-scoring nodes as a
+chain of its own. That is a top-k over the drafter's vocabulary and one
+small kernel a step (kernels/tree.py): no host work, and the shapes are
+fixed (CUDA graphs).
 
 Verification: block row 0 is the anchor (the last emitted token); row
 ``j + 1`` holds node ``j`` at position ``start + depth(j)`` and attends to the
@@ -27,9 +29,9 @@ accepted token is thus the target's argmax given exactly the accepted
 prefix, so the output is the target's greedy output.
 
 The accepted nodes' K/V were written at their rows' slots; ``kv_moves``
-copies them to the slots of their depths, where the next step expects them.
-Rows are only filled with trees for greedy rows: rejection sampling over a
-tree (SpecInfer's) is not implemented, so sampled rows verify chains.
+lists the copies to the slots of their depths, where the next step expects
+them. Trees are for greedy rows only: rejection sampling over a tree
+(SpecInfer's) is not built, so sampled rows verify chains.
 """
 
 from __future__ import annotations
@@ -134,14 +136,6 @@ class DraftTree:
     parent: torch.Tensor  # [S, N] int64: block row of node j's parent (0: the anchor)
     depth: torch.Tensor  # [S, N] int64: 1..N
     masks: torch.Tensor  # [S, N + 1] int32: bit j of row i: row i is row j or descends from it
-
-
-def chain(num_seqs: int, num_nodes: int, device) -> DraftTree:
-    """The tree of a chain: node j's parent is row j."""
-    j = torch.arange(num_nodes, device=device)
-    rows = torch.arange(num_nodes + 1, device=device)
-    masks = ((1 << (rows + 1)) - 1).int()
-    return DraftTree(j.expand(num_seqs, -1), (j + 1).expand(num_seqs, -1), masks.expand(num_seqs, -1))
 
 
 def lookup_nodes(num_nodes: int) -> int:

@@ -38,6 +38,7 @@ from specray.detokenizer import (
     max_prompt_chars,
     stop_holdback,
 )
+from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens, row_masks
 from specray.kernels import ops
 from specray.logprobs import LogprobRows
 from specray.penalties import penalize
@@ -350,8 +351,6 @@ class EngineCore:
             if self.config.draft_tree:
                 raise ConfigError(f"draft_tree {reason}")
             return None
-        from specray.draft_tree import load_universe
-
         universe = load_universe(self.drafter_spec.path, self.block_size - 1).to(self.device)
         self.drafter.tree = universe
         return universe
@@ -367,8 +366,6 @@ class EngineCore:
     def _place_tree(self, batch, tree, draft_dst: torch.Tensor, draft_src: torch.Tensor) -> None:
         """Positions (the anchor's plus each node's depth) and attention
         masks (ancestors only) of the drafted rows."""
-        from specray.draft_tree import row_masks
-
         dev, G = self.device, tree.depth.shape[1]
         attn = batch.attn
         anchor = attn.positions[draft_dst] - draft_src % G - 1  # host: row j sits at anchor + j
@@ -704,8 +701,6 @@ class EngineCore:
         move to their positions' slots. Returns the device parts of the
         results: accepted counts, bonus tokens, the paths' drafts and block
         rows."""
-        from specray.draft_tree import accept_greedy, kv_moves, path_tokens
-
         dev, S = logits.device, len(decode)
         B = drafts.tokens.shape[1] + 1
         if batch.uniform_rows:

@@ -16,8 +16,8 @@ from specray import SamplingParams
 from specray.config import ConfigError, EngineConfig
 from specray.draft_tree import (
     accept_greedy,
+    DraftTree,
     build,
-    chain,
     generic_paths,
     kv_moves,
     load_universe,
@@ -115,7 +115,8 @@ def test_accept_greedy_equals_a_walk_down_the_tree(seed):
 
 def test_a_chain_tree_accepts_what_a_chain_accepts():
     S, G = 3, 5
-    tree = chain(S, G, "cpu")
+    j, rows = torch.arange(G), torch.arange(G + 1)
+    tree = DraftTree(j.expand(S, -1), (j + 1).expand(S, -1), ((1 << (rows + 1)) - 1).int().expand(S, -1))
     tokens = torch.tensor([[1, 2, 3, 4, 5]] * S)
     argmax = torch.tensor([[1, 2, 9, 4, 5, 6], [1, 2, 3, 4, 5, 6], [7, 2, 3, 4, 5, 6]])
     acc = accept_greedy(argmax, tokens, tree, torch.tensor([G, 3, G]))
