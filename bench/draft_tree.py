@@ -30,7 +30,7 @@ from specray.bench import load_prompts, save_report
 from specray.cli import add_model_args, resolve_models
 from specray.detokenizer import load_tokenizer
 from specray.draft_tree import TREE_FILE, build, generic_paths, load_universe, make_universe, with_enough_paths
-from specray.prompt_lookup import NgramIndex
+from specray.prompt_lookup import NgramIndex, lookup_rows
 
 TOP_K = 8
 
@@ -46,9 +46,8 @@ def score(target_dir: str, drafter_dir: str, rows, max_tokens: int) -> list[dict
         top = logits_of(block).log_softmax(-1).topk(TOP_K, -1)
         index = NgramIndex(1, 4)
         found = [index.propose(o.prompt_token_ids, o.token_ids[: a - P + 1], B - 1) for a in range(P, len(tokens) - 1)]
-        lookup = torch.tensor([(d + d[-1:] * B)[: B - 1] if d else [0] * (B - 1) for d in found])
         seqs.append({"id": rid, "prompt_len": P, "tokens": tokens, "top_lp": top.values, "top_ids": top.indices,
-                     "lookup": lookup, "has_lookup": torch.tensor([bool(d) for d in found])})
+                     "lookup": lookup_rows(found, B - 1), "has_lookup": torch.tensor([bool(d) for d in found])})
     return seqs
 
 

@@ -44,7 +44,7 @@ from specray.logprobs import LogprobRows
 from specray.penalties import penalize
 from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.request import Request, RequestOutput, check_prompt_length
-from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
+from specray.prompt_lookup import NgramIndex, lookup_rows, merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors, verify
 from specray.staging import host_to_device
 from specray.scheduler import DecodeItem, PrefillItem, Scheduler
@@ -508,7 +508,7 @@ class EngineCore:
         B = self.block_size
         lookup = has = None
         if tree_lookup is not None and any(tree_lookup):
-            lookup = torch.tensor([(d + d[-1:] * B)[: B - 1] if d else [0] * (B - 1) for d in tree_lookup])
+            lookup = lookup_rows(tree_lookup, B - 1)
             has = torch.tensor([bool(d) and dl.block_len > 1 for d, dl in zip(tree_lookup, decode)])
         mask = self.drafter_spec.mask_token_id
         block_ids = torch.full((len(decode), B), mask, dtype=torch.int64)

@@ -57,6 +57,13 @@ class NgramIndex:
         return []
 
 
+def lookup_rows(lookup: list[list[int]], num_drafts: int) -> torch.Tensor:
+    """``[S, num_drafts]`` int64: each row's lookup draft padded with its
+    last token (zeros for a row without one)."""
+    G = num_drafts
+    return torch.tensor([(t + [t[-1]] * G)[:G] if t else [0] * G for t in lookup], dtype=torch.int64).view(len(lookup), G)
+
+
 def merge_lookup_drafts(
     drafts: DraftOutput | None,
     lookup: list[list[int]],
@@ -74,9 +81,8 @@ def merge_lookup_drafts(
     sampled batches the lookup rows' sparse draft distribution is one-hot
     on the drafted token."""
     S, G = len(lookup), num_drafts
-    rows = torch.tensor([(t + [t[-1]] * G)[:G] if t else [0] * G for t in lookup], dtype=torch.int64).view(S, G)
     has = [bool(t) for t in lookup]
-    tokens = host_to_device(rows, device)
+    tokens = host_to_device(lookup_rows(lookup, G), device)
     if drafts is None:
         assert all(has), "rows without a lookup draft need the drafter's"
         if st.all_greedy:
