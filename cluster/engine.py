@@ -360,8 +360,7 @@ class EngineCore:
         none needing what walks a chain's rows (min_tokens' mask, log
         probabilities, penalties)."""
         return self.tree is not None and all(
-            r.params.greedy and not r.min_tokens_left and r.params.logprobs is None and not r.params.penalized
-            for r in (d.request for d in decode))
+            d.request.params.greedy and not d.request.reads_verify_rows for d in decode)
 
     def _place_tree(self, batch, tree, draft_dst: torch.Tensor, draft_src: torch.Tensor) -> None:
         """Positions (the anchor's plus each node's depth) and attention
@@ -390,8 +389,8 @@ class EngineCore:
         launched ahead of the host (the settings and the workers allow it)."""
         if not self.config.async_scheduling or self.config.sync_timing:
             return False
-        if any(r.min_tokens_left or r.params.logprobs is not None or r.params.penalized for r in requests):
-            return False  # min_tokens' mask, log probabilities and penalties are synchronous steps' work
+        if any(r.reads_verify_rows for r in requests):
+            return False
         if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
                 not all(r.params.greedy for r in requests):
             return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it

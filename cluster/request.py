@@ -155,6 +155,13 @@ class Request:
         """Tokens still to generate before a stop may end the request."""
         return max(0, self.params.min_tokens - len(self.output_token_ids))
 
+    @property
+    def reads_verify_rows(self) -> bool:
+        """Whether a step must walk this request's verify rows on the host
+        as a chain (min_tokens' mask, log probabilities, penalties): work of
+        synchronous steps, over chains, not draft trees."""
+        return bool(self.min_tokens_left) or self.params.logprobs is not None or self.params.penalized
+
 
 class PromptTooLong(ValueError):
     """A prompt that leaves no room to generate within max_model_len (the
