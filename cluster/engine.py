@@ -661,23 +661,24 @@ class EngineCore:
         verify_rows, sample_rows = logit_rows
         parts = []
         S = len(decode)
-        G = verify_rows.shape[1] - 1 if S else 0
+        G = verify_rows.shape[1] - 1 if S else 0  # drafts of the longest block
         tree = S and drafts is not None and drafts.tree is not None
+        if S:
+            num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
+            if batch.uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
+                target_logits = logits.view(S, batch.uniform_rows, -1)[:, : G + 1]
+            else:
+                target_logits = logits[host_to_device(verify_rows, dev)]
         if tree:
             G = drafts.tokens.shape[1]
-            parts += self._accept_tree(decode, logits, verify_rows, drafts, batch)
+            parts += self._accept_tree(decode, target_logits, num_drafts, drafts, batch)
         elif S:
-            num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
             if drafts is not None:
                 draft_tokens = drafts.tokens[:, :G].to(dev)
                 idx = drafts.draft_idx[:, :G].to(dev) if drafts.draft_idx is not None else None
                 q = drafts.draft_q[:, :G].to(dev) if drafts.draft_q is not None else None
             else:
                 draft_tokens, idx, q = torch.zeros(S, 0, dtype=torch.long, device=dev), None, None
-            if batch.uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
-                target_logits = logits.view(S, batch.uniform_rows, -1)[:, : G + 1]
-            else:
-                target_logits = logits[host_to_device(verify_rows, dev)]
             res = verify(target_logits, draft_tokens, num_drafts, st, idx, q)
             parts += [res.num_accepted, res.bonus, draft_tokens.reshape(-1)]
         sampling = [p for p in prefill if p.samples_first_token]
@@ -695,21 +696,16 @@ class EngineCore:
         host, ready = self.result_buffers.fetch(flat) if flat.is_cuda else (flat, None)
         return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None, tree=bool(tree))
 
-    def _accept_tree(self, decode, logits, verify_rows, drafts, batch) -> list[torch.Tensor]:
-        """Greedy acceptance over draft trees; the accepted nodes' target K/V
-        move to their positions' slots. Returns the device parts of the
-        results: accepted counts, bonus tokens, the paths' drafts and block
-        rows."""
-        dev, S = logits.device, len(decode)
+    def _accept_tree(self, decode, target_logits, num_drafts, drafts, batch) -> list[torch.Tensor]:
+        """Greedy acceptance over draft trees, from the verify blocks' logits
+        ``[S, longest block, V]``; the accepted nodes' target K/V move to
+        their positions' slots. Returns the device parts of the results:
+        accepted counts, bonus tokens, the paths' drafts and block rows."""
+        dev, S = target_logits.device, len(decode)
         B = drafts.tokens.shape[1] + 1
-        if batch.uniform_rows:
-            target_logits = logits.view(S, batch.uniform_rows, -1)[:, :B]
-        else:
-            target_logits = logits[host_to_device(verify_rows, dev)]
         target_argmax = ops.argmax(target_logits)
         if target_argmax.shape[1] < B:  # rows past every block: no real node has its parent there
             target_argmax = torch.nn.functional.pad(target_argmax, (0, B - target_argmax.shape[1]))
-        num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
         acc = accept_greedy(target_argmax, drafts.tokens, drafts.tree, num_drafts)
         # Block row j of sequence s is token query_start_loc[s] + j; rows past
         # a cut-short block stand for its row 0 (they only copy onto themselves).
