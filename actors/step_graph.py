@@ -27,7 +27,7 @@ import torch
 
 from specray.actors.drafter import draft_tree_of
 from specray.actors.graphs import DecodeGraphs
-from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, path_tokens, row_depths, row_masks
+from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, path_tokens, row_depths
 from specray.kernels.ops import accept_advance, argmax, block_inputs, lookup_drafts, move_kv
 from specray.plan import AttentionMetadata
 from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens, verify
@@ -127,7 +127,7 @@ def build_step_graphs(target, drafter, block_size: int, max_seqs: int, kv_block_
                 drafts, shape = draft_tree_of(draft_logits, tree, found, looked_up if lookup else None)
                 input_ids = torch.cat([last[:, None], drafts], 1)
                 positions = start[:, None] + row_depths(shape)
-                tree_mask = row_masks(shape).reshape(-1)
+                tree_mask = shape.masks.reshape(-1)
             else:
                 drafts, draft_idx, draft_q = sample_draft_tokens(draft_logits, st, draft_top_k)
                 if lookup:

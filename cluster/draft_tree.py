@@ -21,7 +21,7 @@ fixed (CUDA graphs).
 
 Verification: block row 0 is the anchor (the last emitted token); row
 ``j + 1`` holds node ``j`` at position ``start + depth(j)`` and attends to the
-context and to its own ancestors only (``row_masks``). Greedy acceptance
+context and to its own ancestors only (``DraftTree.masks``). Greedy acceptance
 walks the tree: a node is accepted when its token is the target's argmax at
 its parent's row and every ancestor is accepted; the deepest accepted node
 gives the accepted count and the bonus (the argmax at its row). Every
@@ -135,7 +135,7 @@ class DraftTree:
 
     parent: torch.Tensor  # [S, N] int64: block row of node j's parent (0: the anchor)
     depth: torch.Tensor  # [S, N] int64: 1..N
-    masks: torch.Tensor  # [S, N + 1] int32: bit j of row i: row i is row j or descends from it
+    masks: torch.Tensor  # [S, N + 1] int32: bit j of row i: row i attends to row j (itself, an ancestor, the anchor)
 
 
 def lookup_nodes(num_nodes: int) -> int:
@@ -166,13 +166,6 @@ def build(top_logprobs: torch.Tensor, top_ids: torch.Tensor, universe: TreeUnive
 def row_depths(tree: DraftTree) -> torch.Tensor:
     """``[S, N + 1]``: each block row's offset from the anchor's position."""
     return torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
-
-
-def row_masks(tree: DraftTree) -> torch.Tensor:
-    """``[S, N + 1]`` int32: bit ``j`` of row ``i`` is set when row ``i`` may
-    attend to row ``j`` of its block (the anchor, its ancestors, itself).
-    Blocks are at most 32 rows."""
-    return tree.masks
 
 
 @dataclass

@@ -38,7 +38,7 @@ from specray.detokenizer import (
     max_prompt_chars,
     stop_holdback,
 )
-from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens, row_masks
+from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens
 from specray.kernels import ops
 from specray.logprobs import LogprobRows
 from specray.penalties import penalize
@@ -372,7 +372,7 @@ class EngineCore:
         attn.positions = host_to_device(attn.positions, dev)
         attn.positions[dst] = host_to_device(anchor, dev) + tree.depth.reshape(-1)[src]
         mask = torch.full(batch.input_ids.shape, -1, dtype=torch.int32, device=dev)
-        mask[dst] = row_masks(tree)[:, 1:].reshape(-1)[src]
+        mask[dst] = tree.masks[:, 1:].reshape(-1)[src]
         attn.tree_mask = mask
 
     # ------------------------------------------------------ asynchronous steps

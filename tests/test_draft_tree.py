@@ -24,7 +24,6 @@ from specray.draft_tree import (
     make_universe,
     path_tokens,
     row_depths,
-    row_masks,
 )
 from specray.kernels.attention import paged_attention_ref
 from specray.kernels.kv_move import move_kv_ref as move_kv
@@ -122,7 +121,7 @@ def test_a_chain_tree_accepts_what_a_chain_accepts():
     acc = accept_greedy(argmax, tokens, tree, torch.tensor([G, 3, G]))
     assert acc.num_accepted.tolist() == [2, 3, 0]
     assert acc.bonus.tolist() == [9, 4, 7]
-    assert row_masks(tree)[0].tolist() == [(1 << (i + 1)) - 1 for i in range(G + 1)]
+    assert tree.masks[0].tolist() == [(1 << (i + 1)) - 1 for i in range(G + 1)]
     assert row_depths(tree)[0].tolist() == list(range(G + 1))
 
 
@@ -150,7 +149,7 @@ def test_tree_attention_is_attention_over_each_nodes_prefix():
     q = torch.randn(S * B, H, D)
     qsl = torch.arange(0, S * B + 1, B)
     seq_lens = torch.full((S,), ctx + B)
-    mask = row_masks(tree).reshape(-1)
+    mask = tree.masks.reshape(-1)
     out = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, B, ctx + B, D ** -0.5, tree_mask=mask)
     flat_k, flat_v = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)
     for s in range(S):
@@ -310,7 +309,7 @@ def test_gpu_tree_attention_kernel_matches_the_reference(dtype):
     _, _, _, tree = random_tree(S=3, G=15, K=4, vocab=40, seed=4)
     # Three verify blocks of 16 rows and a prefill chunk (causal, -1) in one batch.
     args = paged_case("cuda", dtype, [16, 16, 16, 37], [16 + 40, 16 + 3, 16 + 200, 37 + 9], kv_heads=2, group=3)
-    mask = torch.cat([row_masks(tree).reshape(-1), torch.full((37,), -1, dtype=torch.int32)]).cuda()
+    mask = torch.cat([tree.masks.reshape(-1), torch.full((37,), -1, dtype=torch.int32)]).cuda()
     out = _kernels().paged_attention(**args, tree_mask=mask)
     ref = paged_attention_ref(**_f64(args), tree_mask=mask)
     assert_close(out, ref)
@@ -354,7 +353,7 @@ def test_gpu_tree_rows_are_decode_rows_bit_for_bit(dtype):
     _, _, _, tree = random_tree(S=S, G=B - 1, K=4, vocab=40, seed=7)
     ctx = [40, 3, 300]
     args = paged_case("cuda", dtype, [B] * S, [c + B for c in ctx], kv_heads=3, group=3, head_dim=64, pad_seq=64)
-    mask = row_masks(tree).reshape(-1).cuda()
+    mask = tree.masks.reshape(-1).cuda()
     out = kern.paged_attention(**args, tree_mask=mask)
     depths = row_depths(tree)
     bs = args["k_cache"].shape[1]
