@@ -61,7 +61,8 @@ def lookup_rows(lookup: list[list[int]], num_drafts: int) -> torch.Tensor:
     """``[S, num_drafts]`` int64: each row's lookup draft padded with its
     last token (zeros for a row without one)."""
     G = num_drafts
-    return torch.tensor([(t + [t[-1]] * G)[:G] if t else [0] * G for t in lookup], dtype=torch.int64).view(len(lookup), G)
+    rows = [(t + [t[-1]] * G)[:G] if t else [0] * G for t in lookup]
+    return torch.tensor(rows, dtype=torch.int64).view(len(lookup), G)
 
 
 def merge_lookup_drafts(
