@@ -133,6 +133,13 @@ def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int,
     return tp_group if rank < tp_size else None
 
 
+def cpu_threads(device: torch.device) -> None:
+    """Ray caps an actor of num_cpus=1 at one OpenMP thread; a CPU worker's
+    matmuls want the node's cores (the engine's processes take turns)."""
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("SPECRAY_CPU_THREADS", 0)) or os.cpu_count() or 1)
+
+
 def exit_on_failure(serve):
     """A serve loop that raises ends its process: rank 0's pending broadcast /
     all-reduce / recv with it then fail at once (the connection closes)
@@ -194,6 +201,7 @@ class DrafterActor:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
         self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
+        cpu_threads(self.device)
         self.target_spec = TargetSpec.from_dir(config.target)
         self.spec = DrafterSpec.from_dir(config.drafter)
         self.worker = DrafterWorker(
@@ -273,6 +281,7 @@ class TargetRank:
         self.rank, self.tp_size = rank, tp_size
         self.max_model_len = max_model_len
         self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
+        cpu_threads(self.device)
         self.spec = TargetSpec.from_dir(config.target)
         self.drafter_spec = DrafterSpec.from_dir(config.drafter) if config.drafter else None
         self.tp_group = None
