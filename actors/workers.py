@@ -31,70 +31,24 @@ from specray.actors.transport import (
     nccl_unique_id,
     receive_broadcast,
 )
+from specray.actors.messages import (
+    CMD_CONTEXT,
+    CMD_DRAFTS,
+    CMD_MOVE,
+    CMD_PROPOSE,
+    CMD_STEP,
+    CMD_STOP,
+    pack_draft_batch,
+    pack_draft_output,
+    pack_target_batch,
+    unpack_draft_batch,
+    unpack_draft_output,
+    unpack_target_batch,
+)
 from specray.config import DrafterSpec, EngineConfig, TargetSpec
-from specray.plan import AttentionMetadata, DraftBatch, DraftOutput, TargetBatch
-from specray.sampling import SamplingTensors
-
-CMD_STOP, CMD_STEP, CMD_CONTEXT, CMD_PROPOSE, CMD_DRAFTS = 0, 1, 2, 3, 4
-_EMPTY = torch.zeros(0)
-
-
-# --------------------------------------------------------------- packing
-# Messages carry few tensors: each one is a transfer of its own (and a host
-# copy when it starts on the host), which costs more than its bytes.
-def pack_target_batch(b: TargetBatch) -> list[torch.Tensor]:
-    """Three tensors: per-token ids / positions / slots ``[3, N]``, the
-    integer fields, and the block tables."""
-    a = b.attn
-    dev = b.input_ids.device  # on rank 0's device once the drafts are in
-    per_token = torch.stack([b.input_ids, a.positions.to(dev), a.slot_mapping.to(dev)])
-    meta = torch.tensor([a.max_query_len, a.max_seq_len, int(b.want_hidden)], dtype=torch.int64)
-    ints = torch.cat([a.query_start_loc.cpu(), a.seq_lens.cpu(), b.logits_indices.cpu(), meta])  # [2S + 1 + M + 3]
-    return [per_token, ints, a.block_tables]
-
-
-def unpack_target_batch(ts: list[torch.Tensor]) -> TargetBatch:
-    per_token, ints, tables = ts
-    S = tables.shape[0]
-    ids, pos, slots = per_token
-    qsl, seq_lens, logit_idx = ints[: S + 1], ints[S + 1 : 2 * S + 1], ints[2 * S + 1 : -3]
-    max_q, max_s, want_hidden = ints[-3:].tolist()
-    return TargetBatch(ids, AttentionMetadata(pos, slots, qsl, seq_lens, tables, max_q, max_s), logit_idx,
-                       bool(want_hidden))
-
-
-def pack_draft_batch(b: DraftBatch) -> list[torch.Tensor]:
-    """Four tensors: the draft blocks, the block tables, the integer fields
-    (the float64 uniforms ride along as their bit patterns) and the sampling
-    floats."""
-    st = b.sampling
-    W = st.uniforms.shape[-1]
-    meta = torch.tensor([b.max_ctx_len, int(st.all_greedy), int(st.any_filter), W], dtype=torch.int64)
-    uniform_bits = st.uniforms.cpu().reshape(-1).view(torch.int64)
-    ints = torch.cat([b.ctx_lens.cpu(), b.block_lens.cpu(), st.top_k.cpu(), uniform_bits, meta])  # [3S + 3SW + 4]
-    floats = torch.stack([st.temperature.cpu(), st.top_p.cpu()])  # [2, S]
-    return [b.block_ids, b.block_tables, ints, floats]
-
-
-def unpack_draft_batch(ts: list[torch.Tensor]) -> DraftBatch:
-    block_ids, tables, ints, floats = ts
-    S = block_ids.shape[0]
-    max_ctx, all_greedy, any_filter, W = ints[-4:].tolist()
-    ctx_lens, block_lens, top_k = ints[: 3 * S].view(3, S)
-    uniforms = ints[3 * S : 3 * S + 3 * S * W].view(torch.float64).view(3, S, W)
-    return DraftBatch(block_ids, ctx_lens, block_lens, tables, max_ctx,
-                      SamplingTensors(floats[0], floats[1], top_k, uniforms, bool(all_greedy), bool(any_filter)))
-
-
-def pack_draft_output(o: DraftOutput) -> list[torch.Tensor]:
-    return [o.tokens, o.draft_idx if o.draft_idx is not None else _EMPTY,
-            o.draft_q if o.draft_q is not None else _EMPTY]
-
-
-def unpack_draft_output(ts: list[torch.Tensor]) -> DraftOutput:
-    tokens, idx, q = ts
-    return DraftOutput(tokens, idx if idx.numel() else None, q if q.numel() else None)
-
+from specray.draft_tree import load_universe
+from specray.draft_tree import unsupported as tree_unsupported
+from specray.plan import DraftBatch, DraftOutput, TargetBatch
 
 # ------------------------------------------------------- distributed set-up
 def free_address() -> tuple[str, int]:
@@ -182,6 +136,7 @@ class RemoteDrafter:
 
     def __init__(self, channel, device):
         self.channel, self.device = channel, device
+        self.tree = None  # the drafter's process loads its own universe
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
         self.channel.send(CMD_PROPOSE, pack_draft_batch(batch))
@@ -221,10 +176,14 @@ class DrafterActor:
         return kv_capacity(self.config, [self.worker])
 
     def init_cache(self, num_blocks: int) -> None:
+        block = self.config.draft_block_size(self.worker.spec.block_size)
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
         if self.config.cuda_graphs:
-            self.worker.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size,
-                                             self.config.draft_block_size(self.worker.spec.block_size))
+            self.worker.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size, block)
+        # Rank 0 decides which steps draft trees (its engine loads the same
+        # universe); this side builds them.
+        if self.config.draft_tree is not False and tree_unsupported(block, self.target_spec.layer_window) is None:
+            self.worker.tree = load_universe(self.spec.path, block - 1).to(self.device)
 
     def connect(self, kind: str, unique_id=None, peer: int | None = None) -> None:
         self.channel = _Channels.make(kind, 1, self.device, unique_id, peer)
@@ -263,7 +222,10 @@ class TPDriver:
         return self.worker.hidden_rows(rows)
 
     def move_kv(self, src_slots, dst_slots) -> None:
-        # Draft trees run only where the model is local (TP 1): one worker holds the cache.
+        """A draft tree's accepted K/V, moved on every rank's shard."""
+        if self.group is not None and self.worker.tp.size > 1:
+            broadcast_message(CMD_MOVE, [torch.stack([src_slots, dst_slots.to(src_slots.device)])], self.group,
+                              self.device)
         self.worker.move_kv(src_slots, dst_slots)
 
     @property
@@ -331,6 +293,9 @@ class TargetRank:
             cmd, ts = receive_broadcast(self.tp_group, self.device)
             if cmd == CMD_STOP:
                 return steps
+            if cmd == CMD_MOVE:
+                self.worker.move_kv(*ts[0])
+                continue
             self.worker.execute(unpack_target_batch(ts))
             steps += 1
 

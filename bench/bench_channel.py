@@ -50,7 +50,7 @@ def _sync(device):
 
 
 def _end(rank: int, args, rendezvous, q) -> None:
-    from specray.actors import workers as W
+    from specray.actors import messages as M, workers as W
 
     if args.channel == "nccl":
         device = torch.device("cuda", rank)
@@ -67,12 +67,12 @@ def _end(rank: int, args, rendezvous, q) -> None:
     if rank == 1:  # the drafter end: context in, batch in, drafts out
         while True:
             cmd, ts = ch.recv()
-            if cmd == W.CMD_STOP:
+            if cmd == M.CMD_STOP:
                 break
-            if cmd == W.CMD_PROPOSE:
+            if cmd == M.CMD_PROPOSE:
                 S = ts[0].shape[0]
-                ch.send(W.CMD_DRAFTS, W.pack_draft_output(
-                    W.DraftOutput(torch.zeros(S, B - 1, dtype=torch.int64, device=device), None, None)))
+                ch.send(M.CMD_DRAFTS, M.pack_draft_output(
+                    M.DraftOutput(torch.zeros(S, B - 1, dtype=torch.int64, device=device), None, None)))
         _sync(device)
         return
     drafter = W.RemoteDrafter(ch, device)

@@ -30,7 +30,7 @@ def plan(S: int, B: int, device):
 
 
 def _end(rank: int, args, rendezvous: str, q) -> None:
-    from specray.actors import workers as W
+    from specray.actors import messages as M
     from specray.actors.transport import broadcast_message, receive_broadcast
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -46,9 +46,9 @@ def _end(rank: int, args, rendezvous: str, q) -> None:
             dist.barrier()
             t = time.perf_counter()
             if rank == 0:
-                broadcast_message(W.CMD_STEP, W.pack_target_batch(b), None, device)
+                broadcast_message(M.CMD_STEP, M.pack_target_batch(b), None, device)
             else:
-                got = W.unpack_target_batch(receive_broadcast(None, device)[1])
+                got = M.unpack_target_batch(receive_broadcast(None, device)[1])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t)

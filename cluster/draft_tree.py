@@ -128,6 +128,18 @@ def load_universe(drafter_dir: str | None, max_depth: int) -> TreeUniverse:
     return make_universe(generic_paths(max_depth), max_depth)
 
 
+def unsupported(block_size: int, layer_window) -> str | None:
+    """Why blocks of ``block_size`` rows of a target with these sliding
+    windows cannot hold draft trees (None: they can)."""
+    if any(layer_window):
+        return "is not built for sliding-window attention"
+    if block_size > 32:
+        return f"handles blocks of at most 32 rows, not {block_size}"
+    if block_size < 3:
+        return "needs at least two drafts a block"
+    return None
+
+
 @dataclass
 class DraftTree:
     """The shape of each row's tree of ``N`` nodes; node ``j`` sits at block

@@ -38,7 +38,7 @@ from specray.detokenizer import (
     max_prompt_chars,
     stop_holdback,
 )
-from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens
+from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens, unsupported as tree_unsupported
 from specray.kernels import ops
 from specray.logprobs import LogprobRows
 from specray.penalties import penalize
@@ -338,19 +338,12 @@ class EngineCore:
         where blocks stay chains."""
         if self.drafter is None or self.config.draft_tree is False:
             return None
-        reason = None
-        if not all(getattr(w, "local_model", False) for w in (self.target, self.drafter)):
-            reason = "needs the target (TP 1) and the drafter in one process"
-        elif any(self.target_spec.layer_window):
-            reason = "is not built for sliding-window attention"
-        elif self.block_size > 32:
-            reason = f"handles blocks of at most 32 rows, not {self.block_size}"
-        elif self.block_size < 3:
-            reason = "needs at least two drafts a block"
+        reason = tree_unsupported(self.block_size, self.target_spec.layer_window)
         if reason:
             if self.config.draft_tree:
                 raise ConfigError(f"draft_tree {reason}")
             return None
+        # A drafter in another process loads the same universe itself.
         universe = load_universe(self.drafter_spec.path, self.block_size - 1).to(self.device)
         self.drafter.tree = universe
         return universe

@@ -160,7 +160,7 @@ def test_sampled_step_hashes_nothing_on_the_device():
 def test_draft_batch_round_trip_keeps_the_uniforms():
     """The DraftBatch a separate drafter receives carries the step's
     uniforms bit for bit (as int64 bit patterns), greedy or not."""
-    from specray.actors.workers import pack_draft_batch, unpack_draft_batch
+    from specray.actors.messages import pack_draft_batch, unpack_draft_batch
     from specray.plan import DraftBatch
 
     S, B = 3, 5
