@@ -100,7 +100,7 @@ class _RayCore:
 
 
 def make_core(config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
-              drafter_placement: str = "separate"):
+              drafter_placement: str = "auto"):
     if backend == "inprocess":
         from specray.engine_loop import EngineLoop
         from specray.llm import build_engine
@@ -124,7 +124,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
-                    drafter_placement: str = "separate") -> "AsyncEngine":
+                    drafter_placement: str = "auto") -> "AsyncEngine":
         return cls(make_core(config, backend, tensor_parallel_size, drafter_placement))
 
     async def generate(

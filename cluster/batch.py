@@ -268,6 +268,8 @@ def _connect_ray(address: str | None, num_cpus: int | None) -> bool:
 def _engine_kwargs(args, target: str, drafter: str | None) -> dict:
     kw: dict = dict(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
                     num_speculative_tokens=args.num_speculative_tokens, **drafting_args(args))
+    if args.async_scheduling is not None:
+        kw["async_scheduling"] = args.async_scheduling
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
     for item in args.engine_arg or []:
@@ -610,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each replica's target")
     s.add_argument("--backend", choices=["auto", "inprocess", "ray"], default="auto",
                    help="auto: in-process engine per replica, or the Ray engine when --tp > 1")
-    s.add_argument("--drafter-placement", choices=["separate", "colocated"], default="separate")
+    s.add_argument("--drafter-placement", choices=["auto", "separate", "colocated"], default="auto")
     s.add_argument("--batch-size", type=int, help="rows per generate call (default: up to 64)")
     s.add_argument("--cpus-per-replica", type=float,
                    help="CPUs each replica actor requests (default 1 in-process, 0 with the Ray engine)")

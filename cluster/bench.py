@@ -93,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from CUDA graphs (the default on a GPU; off CUDA: the same padded path)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="launch decode steps from the previous step's device results (both engines)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     if not 0 < args.top_p <= 1:
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=temp, seed=args.seed))
     results = {"target": target, "drafter": drafter, "device": args.device, "batch_size": args.batch_size,
-               "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": args.async_scheduling, "prompt_lookup_min": spec.config.prompt_lookup_min,
+               "cuda_graphs": spec.config.cuda_graphs, "async_scheduling": spec.config.async_scheduling, "prompt_lookup_min": spec.config.prompt_lookup_min,
                "prompt_lookup_agree": spec.config.prompt_lookup_agree,
                "draft_tree": getattr(getattr(spec, "engine", None), "tree", None) is not None,
                "num_speculative_tokens": block - 1,

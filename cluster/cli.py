@@ -27,7 +27,10 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
                             "drafter, else 2)")
         p.add_argument("--prompt-lookup-agree", action=argparse.BooleanOptionalAction, default=None,
                        help="take a greedy request's lookup draft only where it opens with the drafter's first "
-                            "draft token (the drafter then runs every step; default: on with --async-scheduling)")
+                            "draft token (the drafter then runs every step; default: on with async scheduling)")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="launch each decode step before the previous one is read (default: on with CUDA "
+                            "graphs on a GPU)")
         p.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, default=None,
                        help="greedy requests verify a tree of the drafter's likeliest continuations instead of one "
                             "chain (default: on where the target and drafter share a process)")
@@ -77,7 +80,8 @@ def cmd_generate(args) -> int:
     target, drafter = resolve_models(args)
     t = time.perf_counter()
     llm = LLM(target, drafter, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              num_speculative_tokens=args.num_speculative_tokens, **drafting_args(args))
+              num_speculative_tokens=args.num_speculative_tokens, async_scheduling=args.async_scheduling,
+              **drafting_args(args))
     load_s = time.perf_counter() - t
     prompt = args.prompt
     if args.chat and llm.tokenizer is not None:

@@ -370,8 +370,10 @@ class EngineConfig:
     # step_graph.py): the same tokens as synchronous steps, greedy or
     # sampled, prompt lookups included. Needs cuda_graphs, a target at TP 1
     # and the drafter in its process. Off CUDA it runs the same path
-    # synchronously, which is how CPU tests cover it.
-    async_scheduling: bool = False
+    # synchronously, which is how CPU tests cover it. None: on with CUDA
+    # graphs on a GPU (a placement that cannot run it says so at start-up:
+    # EngineCore.features).
+    async_scheduling: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -402,6 +404,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.cuda_graphs is None:
             self.cuda_graphs = str(self.device).startswith("cuda")
+        if self.async_scheduling is None:
+            self.async_scheduling = bool(self.cuda_graphs) and str(self.device).startswith("cuda")
         if self.async_scheduling and not self.cuda_graphs:
             raise ConfigError("async_scheduling replays whole decode steps from graphs: it needs cuda_graphs")
         if self.prompt_lookup_agree is None:

@@ -368,6 +368,37 @@ class EngineCore:
         mask[dst] = tree.masks[:, 1:].reshape(-1)[src]
         attn.tree_mask = mask
 
+    def features(self) -> dict[str, dict]:
+        """The speed features this engine runs, each ``{"on": bool}`` with
+        the ``reason`` where it does not (logged at start-up, shown in the
+        served model's metadata: a placement never drops one silently)."""
+        def feature(on: bool, reason: str | None) -> dict:
+            return {"on": True} if on else {"on": False, "reason": reason}
+
+        target = getattr(self.target, "worker", self.target)
+        graphs = getattr(target, "graphs", None) is not None
+        out = {"cuda_graphs": feature(graphs, "off CUDA (the same padded path runs eagerly)" if self.config.cuda_graphs
+                                      else "turned off (cuda_graphs=False)" if self.device.type == "cuda"
+                                      else "CUDA only")}
+        if not graphs and self.config.cuda_graphs and self.device.type == "cuda":
+            out["cuda_graphs"]["reason"] = "not built for a target at TP > 1"
+        out["async_scheduling"] = feature(self.async_capable([]), self._async_unsupported())
+        if self.drafter is not None:
+            reason = "turned off (draft_tree=False)" if self.config.draft_tree is False else \
+                tree_unsupported(self.block_size, self.target_spec.layer_window)
+            out["draft_tree"] = feature(self.tree is not None, reason)
+        return out
+
+    def _async_unsupported(self) -> str | None:
+        if not self.config.async_scheduling:
+            return "turned off (async_scheduling=False)" if self.config.cuda_graphs else "needs CUDA graphs"
+        if self.config.sync_timing:
+            return "sync_timing measures synchronous steps"
+        workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
+        if not all(getattr(w, "local_model", False) for w in workers):
+            return "needs the target at TP 1 and the drafter in its process"
+        return None
+
     # ------------------------------------------------------ asynchronous steps
     def _async_eligible(self, plan) -> bool:
         """A decode-only step, with the target (TP 1) and the drafter in
@@ -380,15 +411,13 @@ class EngineCore:
     def async_capable(self, requests: list[Request]) -> bool:
         """Whether these requests' decode steps may run as step graphs
         launched ahead of the host (the settings and the workers allow it)."""
-        if not self.config.async_scheduling or self.config.sync_timing:
+        if self._async_unsupported() is not None:
             return False
         if any(r.reads_verify_rows for r in requests):
             return False
-        if self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and \
-                not all(r.params.greedy for r in requests):
-            return False  # a sampled row's lookup draft needs its one-hot q: synchronous steps have it
-        workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
-        return all(getattr(w, "local_model", False) for w in workers)
+        # A sampled row's lookup draft needs its one-hot q: synchronous steps have it.
+        return not (self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and
+                    not all(r.params.greedy for r in requests))
 
     def step_graphs(self, sampling: str):
         """The whole-step graphs of the in-process target and drafter, for

@@ -35,6 +35,9 @@ class EngineLoop:
         self.num_steps = 0
         self.step_time_s = 0.0
         self.model_time_s = 0.0
+        self.features = engine.features()
+        log.info("engine features: %s", ", ".join(
+            f"{k} on" if v["on"] else f"{k} off ({v['reason']})" for k, v in self.features.items()))
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
 
@@ -114,6 +117,7 @@ class EngineLoop:
             "num_unfinished": self.num_unfinished(),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            "features": self.features,
         }
 
     def num_unfinished(self) -> int:

@@ -136,7 +136,7 @@ class LLM:
     baseline every benchmark compares against. ``backend="ray"`` runs the
     target as ``tensor_parallel_size`` Ray actors and the drafter as its own
     actor (``drafter_placement="separate"``) or inside target rank 0
-    (``"colocated"``)."""
+    (``"colocated"``; ``"auto"`` picks, ``placement.resolve_placement``)."""
 
     def __init__(
         self,
@@ -146,7 +146,7 @@ class LLM:
         dtype: str | None = None,
         backend: str = "inprocess",
         tensor_parallel_size: int = 1,
-        drafter_placement: str = "separate",
+        drafter_placement: str = "auto",
         **kwargs,
     ):
         self.config = EngineConfig(

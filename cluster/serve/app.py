@@ -66,7 +66,7 @@ class ServeArgs(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     backend: Literal["ray", "inprocess"] = "ray"
     tensor_parallel_size: int = Field(1, ge=1)
-    drafter_placement: Literal["separate", "colocated"] = "separate"
+    drafter_placement: Literal["auto", "separate", "colocated"] = "auto"
     max_model_len: int | None = Field(None, ge=2)
     num_kv_blocks: int | None = Field(None, ge=2)
     kv_block_size: int = Field(16, ge=1)
@@ -199,6 +199,7 @@ class SpecRayServer:
         self.created = int(time.time())
         self.metrics = ServeMetrics(self.model_name)
         self._poller: asyncio.Task | None = None
+        self.features = self.engine.stats().get("features", {})
         log.info("specray replica ready: model %s, backend %s, tp %d, drafter %s (%s), in-flight bound %d",
                  self.model_name, s.backend, s.tensor_parallel_size, config.drafter, s.drafter_placement, self.limit)
 
@@ -347,7 +348,8 @@ class SpecRayServer:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specray",
                 "root": s.target, "parent": None, "max_model_len": self.max_model_len,
                 "specray": {"drafter": s.drafter, "tensor_parallel_size": s.tensor_parallel_size,
-                            "drafter_placement": s.drafter_placement, "backend": s.backend}}
+                            "drafter_placement": s.drafter_placement, "backend": s.backend,
+                            "features": self.features}}
 
     @app.get("/v1/models")
     async def list_models(self, request: Request):

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(m)
     m.add_argument("--model-name", help="served model id (default: the target directory's name)")
     m.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="target TP ranks")
-    m.add_argument("--drafter-placement", choices=["separate", "colocated"], default="separate")
+    m.add_argument("--drafter-placement", choices=["auto", "separate", "colocated"], default="auto",
+                   help="auto (default): colocated, the fastest measured; separate: the drafter on a GPU of its own")
     m.add_argument("--backend", choices=["ray", "inprocess"], default="ray",
                    help="ray: engine actors beside the replica (default); inprocess: the model inside the replica")
     m.add_argument("--num-kv-blocks", type=int)
@@ -29,8 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
     m.add_argument("--eager", action="store_true",
                    help="no CUDA graphs (on a GPU, decode steps and lone prefills replay from graphs by default)")
-    m.add_argument("--async-scheduling", action="store_true",
-                   help="launch each decode step before the previous one is read (needs graphs)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -119,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_blocks=args.num_kv_blocks, kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued, api_key=api_key, num_replicas=args.num_replicas,
         engine=dict(**drafting_args(args), num_speculative_tokens=args.num_speculative_tokens,
-                    cuda_graphs=False if args.eager else None,
-                    async_scheduling=args.async_scheduling),
+                    cuda_graphs=False if args.eager else None, async_scheduling=args.async_scheduling),
     )
     try:
         from specray.serve.app import GRPC_SERVICER_FUNCTIONS, _resolve, build_app
