@@ -12,10 +12,18 @@ Implementations:
   process group: gloo between CPU processes;
 * ``CupyNcclChannel``: NCCL through CuPy between two GPUs (target rank 0 and
   a drafter on its own GPU). NCCL refuses two ranks on one device: a drafter
-  colocated with rank 0 runs inside rank 0's process instead.
+  colocated with rank 0 runs inside rank 0's process instead;
+* ``SplitChannel``: headers over a host channel (gloo), tensors over NCCL, so
+  that a receiver learns a message's shapes without waiting for its GPU.
 
 ``broadcast_message`` sends the same message from TP rank 0 to the other
-ranks of the TP group (the step plan).
+ranks of the TP group (the step plan): the header as a host tensor (gloo,
+even in a group whose CUDA tensors go over NCCL), the tensors on the device.
+
+Host tensors bound for a GPU go through the reused pinned ring
+(``staging.py``), so a sender never waits for its device's queue. The
+``*_raw`` calls move tensors of shapes both ends know (no header): what a
+step graph exchanges inside its replay.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from specray.staging import host_to_device
 
 HEADER_LEN = 128
 _MAX_DIMS = 4
@@ -84,30 +94,57 @@ class InProcessChannel:
         return self._in.get()
 
 
+def _staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = host_to_device(t, device) if t.device != device else t
+    return t.contiguous()
+
+
 class TorchP2PChannel:
-    """send/recv with ``peer`` over a torch.distributed group (gloo: CPU
-    tensors; NCCL: tensors on this rank's GPU)."""
+    """send/recv with ``peer`` over a torch.distributed group: gloo between
+    CPU processes (``device`` cpu), or the host half of a SplitChannel."""
 
     def __init__(self, peer: int, device: torch.device | str = "cpu", group=None):
         self.peer, self.device, self.group = peer, torch.device(device), group
+        self._pending: list = []  # raw sends in flight, and the tensors they read
 
     def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
-        dist.send(encode_header(cmd, tensors).to(self.device), self.peer, group=self.group)
-        for t in tensors:
-            if t.numel():
-                dist.send(t.to(self.device).contiguous(), self.peer, group=self.group)
+        self.send_header(encode_header(cmd, tensors))
+        self.send_raw(tensors)
+
+    def send_header(self, header: torch.Tensor) -> None:
+        dist.send(header, self.peer, group=self.group)
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        cmd, out = self.recv_header()
+        self.recv_raw(out)
+        return cmd, out
+
+    def recv_header(self) -> tuple[int, list[torch.Tensor]]:
+        """The command and empty tensors of the shapes that follow."""
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
         dist.recv(header, self.peer, group=self.group)
-        cmd, specs = decode_header(header.cpu())
-        out = []
-        for dtype, shape in specs:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+        cmd, specs = decode_header(header)
+        return cmd, [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+
+    def send_raw(self, tensors: list[torch.Tensor]) -> None:
+        """Asynchronous: two replays of step graphs may each send before the
+        peer receives (micro-batches), so a blocking send could wait on a
+        receive queued behind it. Earlier sends are completed first."""
+        self.wait_sends()
+        for t in tensors:
+            if t.numel():
+                t = _staged(t, self.device).clone()
+                self._pending.append((dist.isend(t, self.peer, group=self.group), t))
+
+    def wait_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def recv_raw(self, out: list[torch.Tensor]) -> None:
+        for t in out:
             if t.numel():
                 dist.recv(t, self.peer, group=self.group)
-            out.append(t)
-        return cmd, out
 
 
 class CupyNcclChannel:
@@ -143,26 +180,62 @@ class CupyNcclChannel:
         return getattr(self._nccl, self._NCCL_DTYPE[dtype])
 
     def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
-        msgs = [encode_header(cmd, tensors).to(self.device)] + [
-            t.to(self.device).contiguous() for t in tensors if t.numel()
-        ]
+        self.send_raw([encode_header(cmd, tensors)] + tensors)
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self.recv_raw([header])
+        cmd, specs = decode_header(header.cpu())  # a sync: shapes decide allocation (SplitChannel avoids it)
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+        self.recv_raw(out)
+        return cmd, out
+
+    def send_raw(self, tensors: list[torch.Tensor]) -> None:
+        msgs = [_staged(t, self.device) for t in tensors if t.numel()]
         self._nccl.groupStart()
         for t in msgs:
             self.comm.send(t.data_ptr(), t.numel(), self._dtype(t.dtype), self.peer, self._stream())
         self._nccl.groupEnd()
         self._keepalive = msgs  # the buffers must outlive the queued sends
 
-    def recv(self) -> tuple[int, list[torch.Tensor]]:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self.comm.recv(header.data_ptr(), HEADER_LEN, self._dtype(torch.int64), self.peer, self._stream())
-        cmd, specs = decode_header(header.cpu())  # the one sync: shapes decide allocation
-        out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+    def recv_raw(self, out: list[torch.Tensor]) -> None:
         self._nccl.groupStart()
         for t in out:
             if t.numel():
                 self.comm.recv(t.data_ptr(), t.numel(), self._dtype(t.dtype), self.peer, self._stream())
         self._nccl.groupEnd()
+
+    def wait_sends(self) -> None:
+        pass  # NCCL sends are ordered on the stream
+
+
+class SplitChannel:
+    """A message's header over ``host`` (a TorchP2PChannel of CPU tensors),
+    its tensors over ``device`` (NCCL): the receiver allocates without a
+    device sync, and nothing on either side waits for the GPU."""
+
+    def __init__(self, host: TorchP2PChannel, device: CupyNcclChannel):
+        self.host, self.data = host, device
+        self.device = device.device
+
+    def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
+        self.host.send_header(encode_header(cmd, tensors))
+        self.data.send_raw(tensors)
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]:
+        cmd, out = self.host.recv_header()
+        out = [torch.empty_like(t, device=self.device) for t in out]
+        self.data.recv_raw(out)
         return cmd, out
+
+    def send_raw(self, tensors: list[torch.Tensor]) -> None:
+        self.data.send_raw(tensors)
+
+    def recv_raw(self, out: list[torch.Tensor]) -> None:
+        self.data.recv_raw(out)
+
+    def wait_sends(self) -> None:
+        pass
 
 
 def nccl_unique_id():
@@ -172,17 +245,20 @@ def nccl_unique_id():
 
 
 def broadcast_message(cmd: int, tensors: list[torch.Tensor], group, device, src: int = 0) -> None:
-    """Rank ``src`` of ``group`` sends a message to every other rank."""
-    dist.broadcast(encode_header(cmd, tensors).to(device), src=src, group=group)
+    """Rank ``src`` of ``group`` sends a message to every other rank. The
+    header is a host tensor: in a group of backend "cpu:gloo,cuda:nccl" it
+    goes over gloo, and the receivers read it without a device sync."""
+    device = torch.device(device)
+    dist.broadcast(encode_header(cmd, tensors), src=src, group=group)
     for t in tensors:
         if t.numel():
-            dist.broadcast(t.to(device).contiguous(), src=src, group=group)
+            dist.broadcast(_staged(t, device), src=src, group=group)
 
 
 def receive_broadcast(group, device, src: int = 0) -> tuple[int, list[torch.Tensor]]:
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header, src=src, group=group)
-    cmd, specs = decode_header(header.cpu())
+    cmd, specs = decode_header(header)
     out = []
     for dtype, shape in specs:
         t = torch.empty(shape, dtype=dtype, device=device)

@@ -26,6 +26,7 @@ from specray.actors.models.layers import TPContext
 from specray.actors.target import TargetWorker, kv_capacity, resolve_device
 from specray.actors.transport import (
     CupyNcclChannel,
+    SplitChannel,
     TorchP2PChannel,
     broadcast_message,
     nccl_unique_id,
@@ -114,15 +115,15 @@ def exit_on_failure(serve):
     return run
 
 
-class _Channels:
-    """How rank 0 and a separate drafter talk: NCCL via CuPy between GPUs,
-    torch.distributed gloo between CPU processes."""
-
-    @staticmethod
-    def make(kind: str, rank_in_pair: int, device: torch.device, unique_id=None, peer: int | None = None):
-        if kind == "nccl":
-            return CupyNcclChannel(unique_id, rank_in_pair, device)
-        return TorchP2PChannel(peer, "cpu")
+def drafter_channel(kind: str, rank_in_pair: int, device: torch.device, peer: int, unique_id=None):
+    """How rank 0 and a separate drafter talk: torch.distributed gloo
+    between CPU processes; between GPUs, headers over gloo and tensors over
+    NCCL via CuPy (both are in the engine's process group, whose CPU
+    tensors go over gloo)."""
+    host = TorchP2PChannel(peer, "cpu")
+    if kind == "nccl":
+        return SplitChannel(host, CupyNcclChannel(unique_id, rank_in_pair, device))
+    return host
 
 
 # ------------------------------------------------------------ the drafter
@@ -185,8 +186,8 @@ class DrafterActor:
         if self.config.draft_tree is not False and tree_unsupported(block, self.target_spec.layer_window) is None:
             self.worker.tree = load_universe(self.spec.path, block - 1).to(self.device)
 
-    def connect(self, kind: str, unique_id=None, peer: int | None = None) -> None:
-        self.channel = _Channels.make(kind, 1, self.device, unique_id, peer)
+    def connect(self, kind: str, peer: int, unique_id=None) -> None:
+        self.channel = drafter_channel(kind, 1, self.device, peer, unique_id)
 
     @exit_on_failure
     def serve(self) -> int:
@@ -312,7 +313,7 @@ class TargetRank:
             drafter = self._local_drafter()
             drafter.init_cache(num_draft_blocks, self.config.kv_block_size)
         elif drafter_mode == "separate":
-            channel = _Channels.make(channel_kind, 0, self.device, unique_id, drafter_rank)
+            channel = drafter_channel(channel_kind, 0, self.device, drafter_rank, unique_id)
             drafter = RemoteDrafter(channel, self.device)
         core = EngineCore(
             self.config, self.spec, self.drafter_spec, target, drafter, load_tokenizer(self.config.target),

@@ -37,7 +37,7 @@ def _end(rank: int, args, rendezvous: str, q) -> None:
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous,
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=rendezvous,
                             rank=rank, world_size=2)
     out = {}
     for S in args.batch:

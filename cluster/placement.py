@@ -176,8 +176,9 @@ def start_engine_actors(
 
 def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement) -> None:
     ranks, drafter = actors.ranks, actors.drafter
-    # Process group: TP ranks, plus a CPU drafter (it talks gloo to rank 0).
-    drafter_in_world = separate and not gpu
+    # Process group: TP ranks, plus a separate drafter (it talks gloo to
+    # rank 0: every message on CPUs, message headers between GPUs).
+    drafter_in_world = separate
     world = tp + int(drafter_in_world)
     init_method = None
     if world > 1:
@@ -214,13 +215,9 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
                         drafter_mode="separate" if separate else ("colocated" if colocated else "none"))
     pending = []
     if separate:
-        if gpu:
-            uid = ray.get(ranks[0].nccl_unique_id.remote())
-            start_kwargs.update(channel_kind="nccl", unique_id=uid)
-            pending.append(drafter.connect.remote("nccl", unique_id=uid))
-        else:
-            start_kwargs.update(channel_kind="gloo", drafter_rank=tp)
-            pending.append(drafter.connect.remote("gloo", peer=0))
+        kind, uid = ("nccl", ray.get(ranks[0].nccl_unique_id.remote())) if gpu else ("gloo", None)
+        start_kwargs.update(channel_kind=kind, unique_id=uid, drafter_rank=tp)
+        pending.append(drafter.connect.remote(kind, peer=0, unique_id=uid))
     # NCCL communicators form collectively: both ends must be constructing.
     pending.append(ranks[0].start_engine.remote(**start_kwargs))
     ray.get(pending)
