@@ -117,6 +117,7 @@ class DrafterWorker:
 
     # The model and its context cache live in this process (step_graph.py).
     local_model = True
+    runs_step_graphs = True
 
     @property
     def stores_whole_blocks(self) -> bool:

@@ -16,7 +16,9 @@ from specray.draft_tree import DraftTree
 from specray.plan import AttentionMetadata, DraftBatch, DraftOutput, TargetBatch
 from specray.sampling import SamplingTensors
 
-CMD_STOP, CMD_STEP, CMD_CONTEXT, CMD_PROPOSE, CMD_DRAFTS, CMD_MOVE = 0, 1, 2, 3, 4, 5
+CMD_STOP, CMD_STEP, CMD_CONTEXT, CMD_PROPOSE, CMD_DRAFTS, CMD_MOVE, CMD_ASYNC = 0, 1, 2, 3, 4, 5, 6
+# Messages of host tensors only: they travel over the host path (gloo) whatever the devices.
+HOST_CMDS = (CMD_STOP, CMD_ASYNC)
 _EMPTY = torch.zeros(0)
 
 

@@ -201,6 +201,10 @@ class TargetWorker:
         return self.tp.size == 1
 
     @property
+    def runs_step_graphs(self) -> bool:
+        return self.local_model
+
+    @property
     def is_driver(self) -> bool:
         return self.tp.rank == 0
 

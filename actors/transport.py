@@ -103,16 +103,21 @@ class TorchP2PChannel:
     """send/recv with ``peer`` over a torch.distributed group: gloo between
     CPU processes (``device`` cpu), or the host half of a SplitChannel."""
 
-    def __init__(self, peer: int, device: torch.device | str = "cpu", group=None):
-        self.peer, self.device, self.group = peer, torch.device(device), group
+    def __init__(self, peer: int, device: torch.device | str = "cpu", group=None, tag: int = 0):
+        self.peer, self.device, self.group, self.tag = peer, torch.device(device), group, tag
         self._pending: list = []  # raw sends in flight, and the tensors they read
+
+    @property
+    def control(self) -> "TorchP2PChannel":
+        """Where messages of host tensors only travel (control messages)."""
+        return self
 
     def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
         self.send_header(encode_header(cmd, tensors))
         self.send_raw(tensors)
 
     def send_header(self, header: torch.Tensor) -> None:
-        dist.send(header, self.peer, group=self.group)
+        dist.send(header, self.peer, group=self.group, tag=self.tag)
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
         cmd, out = self.recv_header()
@@ -122,7 +127,7 @@ class TorchP2PChannel:
     def recv_header(self) -> tuple[int, list[torch.Tensor]]:
         """The command and empty tensors of the shapes that follow."""
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, self.peer, group=self.group)
+        dist.recv(header, self.peer, group=self.group, tag=self.tag)
         cmd, specs = decode_header(header)
         return cmd, [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
 
@@ -134,7 +139,7 @@ class TorchP2PChannel:
         for t in tensors:
             if t.numel():
                 t = _staged(t, self.device).clone()
-                self._pending.append((dist.isend(t, self.peer, group=self.group), t))
+                self._pending.append((dist.isend(t, self.peer, group=self.group, tag=self.tag), t))
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
@@ -144,7 +149,7 @@ class TorchP2PChannel:
     def recv_raw(self, out: list[torch.Tensor]) -> None:
         for t in out:
             if t.numel():
-                dist.recv(t, self.peer, group=self.group)
+                dist.recv(t, self.peer, group=self.group, tag=self.tag)
 
 
 class CupyNcclChannel:
@@ -211,22 +216,28 @@ class CupyNcclChannel:
 
 class SplitChannel:
     """A message's header over ``host`` (a TorchP2PChannel of CPU tensors),
-    its tensors over ``device`` (NCCL): the receiver allocates without a
-    device sync, and nothing on either side waits for the GPU."""
+    its tensors over ``device`` (NCCL; between CPU processes, gloo under
+    another tag): the receiver allocates without a device sync, nothing on
+    either side waits for the GPU, and control messages (host tensors only,
+    over ``host``) never queue behind the tensors step graphs exchange."""
 
-    def __init__(self, host: TorchP2PChannel, device: CupyNcclChannel):
+    def __init__(self, host: TorchP2PChannel, device: "CupyNcclChannel | TorchP2PChannel"):
         self.host, self.data = host, device
         self.device = device.device
+
+    @property
+    def control(self) -> TorchP2PChannel:
+        return self.host
+
+    def recv_header(self) -> tuple[int, list[torch.Tensor]]:
+        return self.host.recv_header()
 
     def send(self, cmd: int, tensors: list[torch.Tensor]) -> None:
         self.host.send_header(encode_header(cmd, tensors))
         self.data.send_raw(tensors)
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
-        cmd, out = self.host.recv_header()
-        out = [torch.empty_like(t, device=self.device) for t in out]
-        self.data.recv_raw(out)
-        return cmd, out
+        return recv_message(self, ())
 
     def send_raw(self, tensors: list[torch.Tensor]) -> None:
         self.data.send_raw(tensors)
@@ -235,7 +246,20 @@ class SplitChannel:
         self.data.recv_raw(out)
 
     def wait_sends(self) -> None:
-        pass
+        self.data.wait_sends()
+
+
+def recv_message(channel, host_cmds) -> tuple[int, list[torch.Tensor]]:
+    """The next message on ``channel`` (a TorchP2PChannel or SplitChannel),
+    whose header arrives over the host: a command in ``host_cmds`` was sent
+    over ``channel.control`` (host tensors), any other over ``channel``."""
+    cmd, out = channel.control.recv_header()
+    if cmd in host_cmds:
+        channel.control.recv_raw(out)
+    else:
+        out = [torch.empty(t.shape, dtype=t.dtype, device=channel.device) for t in out]
+        channel.recv_raw(out)
+    return cmd, out
 
 
 def nccl_unique_id():
@@ -255,10 +279,14 @@ def broadcast_message(cmd: int, tensors: list[torch.Tensor], group, device, src:
             dist.broadcast(_staged(t, device), src=src, group=group)
 
 
-def receive_broadcast(group, device, src: int = 0) -> tuple[int, list[torch.Tensor]]:
+def receive_broadcast(group, device, src: int = 0, host_cmds=()) -> tuple[int, list[torch.Tensor]]:
+    """A broadcast message; one whose command is in ``host_cmds`` was sent
+    as host tensors (``broadcast_message(..., device="cpu")``)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header, src=src, group=group)
     cmd, specs = decode_header(header)
+    if cmd in host_cmds:
+        device = "cpu"
     out = []
     for dtype, shape in specs:
         t = torch.empty(shape, dtype=dtype, device=device)

@@ -31,14 +31,20 @@ from specray.actors.transport import (
     broadcast_message,
     nccl_unique_id,
     receive_broadcast,
+    recv_message,
 )
+from specray.actors.step_parts import StepSettings
+from specray.actors.step_peers import CHAINED, FIRST, FLUSH, TPLink, build_drafter_graphs, build_follower_graphs
+from specray.actors.step_peers import decode_control, encode_control
 from specray.actors.messages import (
+    CMD_ASYNC,
     CMD_CONTEXT,
     CMD_DRAFTS,
     CMD_MOVE,
     CMD_PROPOSE,
     CMD_STEP,
     CMD_STOP,
+    HOST_CMDS,
     pack_draft_batch,
     pack_draft_output,
     pack_target_batch,
@@ -50,6 +56,7 @@ from specray.config import DrafterSpec, EngineConfig, TargetSpec
 from specray.draft_tree import load_universe
 from specray.draft_tree import unsupported as tree_unsupported
 from specray.plan import DraftBatch, DraftOutput, TargetBatch
+from specray.staging import host_to_device
 
 # ------------------------------------------------------- distributed set-up
 def free_address() -> tuple[str, int]:
@@ -120,10 +127,9 @@ def drafter_channel(kind: str, rank_in_pair: int, device: torch.device, peer: in
     between CPU processes; between GPUs, headers over gloo and tensors over
     NCCL via CuPy (both are in the engine's process group, whose CPU
     tensors go over gloo)."""
-    host = TorchP2PChannel(peer, "cpu")
-    if kind == "nccl":
-        return SplitChannel(host, CupyNcclChannel(unique_id, rank_in_pair, device))
-    return host
+    host = TorchP2PChannel(peer, "cpu", tag=1)
+    data = CupyNcclChannel(unique_id, rank_in_pair, device) if kind == "nccl" else TorchP2PChannel(peer, "cpu")
+    return SplitChannel(host, data)
 
 
 # ------------------------------------------------------------ the drafter
@@ -135,22 +141,49 @@ class RemoteDrafter:
     # The DraftBatch travels as host tensors (packed before sending).
     packs_host_batch = True
 
+    # It replays its half of each step graph (step_peers.py) on rank 0's word.
+    runs_step_graphs = True
+
     def __init__(self, channel, device):
         self.channel, self.device = channel, device
         self.tree = None  # the drafter's process loads its own universe
+        self._pending: tuple | None = None  # the last step replayed there, whose results it has not taken
+
+    @property
+    def step_link(self):
+        """What rank 0's step graph exchanges the proposal and the results over."""
+        return self.channel
+
+    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict) -> None:
+        """Before rank 0 replays a step graph: the drafter replays its half.
+        A step that does not continue the last one's rows first has the
+        drafter take that one's results."""
+        if not chained:
+            self._flush()
+        self.channel.control.send(CMD_ASYNC, encode_control(n, mode, tree, CHAINED if chained else FIRST, inputs))
+        self._pending = (n, mode, tree)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            n, mode, tree = self._pending
+            self.channel.control.send(CMD_ASYNC, encode_control(n, mode, tree, FLUSH, {}))
+            self._pending = None
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
+        self._flush()
         self.channel.send(CMD_PROPOSE, pack_draft_batch(batch))
         cmd, ts = self.channel.recv()
         assert cmd == CMD_DRAFTS, cmd
         return unpack_draft_output(ts)
 
     def store_context(self, hidden, positions, slot_mapping) -> None:
+        self._flush()
         # positions and slots travel as one [2, n] tensor (one transfer fewer)
         self.channel.send(CMD_CONTEXT, [hidden, torch.stack([positions, slot_mapping.to(positions.device)])])
 
     def stop(self) -> None:
-        self.channel.send(CMD_STOP, [])
+        self._flush()
+        self.channel.control.send(CMD_STOP, [])
 
 
 class DrafterActor:
@@ -166,6 +199,10 @@ class DrafterActor:
         )
         self.channel = None
         self.num_steps = 0
+        self.step_settings = StepSettings.make(config, config.draft_block_size(self.spec.block_size), max_model_len,
+                                               self.spec.mask_token_id)
+        self._step_graphs: dict = {}
+        self._step_buffers: dict = {}
 
     def init_distributed(self, init_method: str, rank: int, world_size: int, tp_size: int) -> None:
         init_distributed(init_method, rank, world_size, tp_size, self.device)
@@ -193,7 +230,7 @@ class DrafterActor:
     def serve(self) -> int:
         """Serve rank 0 until it says stop; returns the steps served."""
         while True:
-            cmd, ts = self.channel.recv()
+            cmd, ts = recv_message(self.channel, HOST_CMDS)
             if cmd == CMD_STOP:
                 return self.num_steps
             if cmd == CMD_CONTEXT:
@@ -203,6 +240,25 @@ class DrafterActor:
                 out = self.worker.propose(unpack_draft_batch(ts))
                 self.channel.send(CMD_DRAFTS, pack_draft_output(out))
                 self.num_steps += 1
+            elif cmd == CMD_ASYNC:
+                self._async_step(*decode_control(ts))
+
+    @torch.inference_mode()
+    def _async_step(self, n: int, mode: str, tree: bool, kind: int, inputs: dict) -> None:
+        key = (mode, tree, kind)
+        if key not in self._step_graphs:
+            hidden_width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
+            self._step_graphs[key] = build_drafter_graphs(
+                self.worker, self.step_settings, mode, self.worker.tree if tree else None, kind, self.channel,
+                hidden_width, self._step_buffers)
+        graphs = self._step_graphs[key]
+        rows = [inputs.pop(k, None) for k in ("history_rows", "history_cols", "history_tokens")]
+        if rows[0] is not None:
+            dev = self.device
+            self._step_buffers["history"].index_put_((host_to_device(rows[0], dev), host_to_device(rows[1], dev)),
+                                                     host_to_device(rows[2], dev))
+        graphs.run(n, {k: v for k, v in inputs.items() if k in graphs.buffers})
+        self.num_steps += kind != FLUSH
 
 
 # ------------------------------------------------------------- the target
@@ -214,8 +270,26 @@ class TPDriver:
         self.worker, self.group = worker, group
         self.device = worker.device
 
+    # The followers replay their halves of each step graph (step_peers.py).
+    runs_step_graphs = True
+
+    @property
+    def followers(self) -> bool:
+        return self.group is not None and self.worker.tp.size > 1
+
+    @property
+    def tp_link(self) -> TPLink | None:
+        """What rank 0's step graph broadcasts the verify block over."""
+        return TPLink(self.group) if self.followers else None
+
+    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict) -> None:
+        if self.followers:
+            tables = {k: v for k, v in inputs.items() if k == "target_tables"}
+            broadcast_message(CMD_ASYNC, encode_control(n, mode, tree, CHAINED if chained else FIRST, tables),
+                              self.group, "cpu")
+
     def execute(self, batch: TargetBatch):
-        if self.group is not None and self.worker.tp.size > 1:
+        if self.followers:
             broadcast_message(CMD_STEP, pack_target_batch(batch), self.group, self.device)
         return self.worker.execute(batch)
 
@@ -224,7 +298,7 @@ class TPDriver:
 
     def move_kv(self, src_slots, dst_slots) -> None:
         """A draft tree's accepted K/V, moved on every rank's shard."""
-        if self.group is not None and self.worker.tp.size > 1:
+        if self.followers:
             broadcast_message(CMD_MOVE, [torch.stack([src_slots, dst_slots.to(src_slots.device)])], self.group,
                               self.device)
         self.worker.move_kv(src_slots, dst_slots)
@@ -234,7 +308,7 @@ class TPDriver:
         return self.worker.local_model
 
     def stop(self) -> None:
-        if self.group is not None and self.worker.tp.size > 1:
+        if self.followers:
             broadcast_message(CMD_STOP, [], self.group, self.device)
 
 
@@ -290,14 +364,24 @@ class TargetRank:
     @exit_on_failure
     def serve_follower(self) -> int:
         steps = 0
+        graphs, shared = {}, {}
+        block = self.config.draft_block_size(self.drafter_spec.block_size) if self.drafter_spec else 1
+        settings = StepSettings.make(self.config, block, self.max_model_len, None)
         while True:
-            cmd, ts = receive_broadcast(self.tp_group, self.device)
+            cmd, ts = receive_broadcast(self.tp_group, self.device, host_cmds=HOST_CMDS)
             if cmd == CMD_STOP:
                 return steps
             if cmd == CMD_MOVE:
                 self.worker.move_kv(*ts[0])
                 continue
-            self.worker.execute(unpack_target_batch(ts))
+            if cmd == CMD_ASYNC:
+                n, _, tree, _, inputs = decode_control(ts)
+                if tree not in graphs:
+                    graphs[tree] = build_follower_graphs(self.worker, settings, tree, TPLink(self.tp_group), shared)
+                with torch.inference_mode():
+                    graphs[tree].run(n, inputs)
+            else:
+                self.worker.execute(unpack_target_batch(ts))
             steps += 1
 
     # rank 0

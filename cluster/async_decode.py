@@ -139,6 +139,8 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
     requests = [p.request for p in plan.prefill]
     if plan.decode or plan.preempted or not requests:
         return None
+    if core.drafter is not None and not getattr(core.drafter, "local_model", False):
+        return None  # the first tokens are on rank 0's device, not the drafter's
     if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
             not core.async_capable(requests):
         return None
@@ -193,7 +195,7 @@ def launch_decode(core, requests: list[Request], chained: bool,
             st = SamplingTensors.build(params, [r.seed for r in requests], starts, 0, vocab_size=vocab)
             inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
                        "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
-        if "history" in graphs.buffers:
+        if "history" in graphs.buffers or (core.drafter is not None and core.config.prompt_lookup_min):
             inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
     # Tables change only when a row crosses into a new block: upload them then.
     tables = [r.target_blocks.blocks for r in requests]
@@ -202,6 +204,11 @@ def launch_decode(core, requests: list[Request], chained: bool,
         if core.drafter is not None:
             inputs["draft_tables"] = block_table_tensor([r.draft_blocks.blocks for r in requests])
         core.uploaded_tables = [list(t) for t in tables]
+    if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
+        inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
+        uploads = None
+    core.announce_step(len(requests), mode, chained, inputs)
+    inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}
     if uploads is not None:
         rows, cols, tokens = host_to_device(uploads, dev)
         history = graphs.buffers["history"]

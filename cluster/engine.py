@@ -375,13 +375,14 @@ class EngineCore:
         def feature(on: bool, reason: str | None) -> dict:
             return {"on": True} if on else {"on": False, "reason": reason}
 
+        cuda = self.device.type == "cuda"
+        reason = None if cuda and self.config.cuda_graphs else "turned off (cuda_graphs=False)" if cuda else \
+            "CUDA only (the CPU runs the same padded path eagerly)" if self.config.cuda_graphs else "CUDA only"
+        out = {"cuda_graphs": feature(reason is None, reason)}
         target = getattr(self.target, "worker", self.target)
-        graphs = getattr(target, "graphs", None) is not None
-        out = {"cuda_graphs": feature(graphs, "off CUDA (the same padded path runs eagerly)" if self.config.cuda_graphs
-                                      else "turned off (cuda_graphs=False)" if self.device.type == "cuda"
-                                      else "CUDA only")}
-        if not graphs and self.config.cuda_graphs and self.device.type == "cuda":
-            out["cuda_graphs"]["reason"] = "not built for a target at TP > 1"
+        if reason is None and getattr(target, "graphs", None) is None:
+            out["cuda_graphs"]["note"] = "a target at TP > 1 replays decode steps as step graphs on every rank " \
+                                         "(async_scheduling); prefills and synchronous steps run eagerly"
         out["async_scheduling"] = feature(self.async_capable([]), self._async_unsupported())
         if self.drafter is not None:
             reason = "turned off (draft_tree=False)" if self.config.draft_tree is False else \
@@ -395,8 +396,8 @@ class EngineCore:
         if self.config.sync_timing:
             return "sync_timing measures synchronous steps"
         workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
-        if not all(getattr(w, "local_model", False) for w in workers):
-            return "needs the target at TP 1 and the drafter in its process"
+        if not all(getattr(w, "runs_step_graphs", False) for w in workers):
+            return "needs step graphs on every worker"
         return None
 
     # ------------------------------------------------------ asynchronous steps
@@ -420,21 +421,31 @@ class EngineCore:
                     not all(r.params.greedy for r in requests))
 
     def step_graphs(self, sampling: str):
-        """The whole-step graphs of the in-process target and drafter, for
-        batches whose ``sampling`` is "greedy", "sampled" or "filtered"."""
+        """Rank 0's whole-step graphs, for batches whose ``sampling`` is
+        "greedy", "sampled" or "filtered" (a drafter or TP followers in other
+        processes replay their halves: actors/step_peers.py)."""
         if sampling not in self._step_graphs:
             from specray.actors.step_graph import build_step_graphs
+            from specray.actors.step_parts import StepSettings
 
             target = getattr(self.target, "worker", self.target)
+            local = self.drafter if getattr(self.drafter, "local_model", False) else None
+            settings = StepSettings.make(self.config, self.block_size, self.max_model_len,
+                                         self.drafter_spec.mask_token_id if self.drafter_spec else None)
             self._step_graphs[sampling] = build_step_graphs(
-                target, self.drafter, self.block_size, self.config.max_num_seqs, self.config.kv_block_size,
-                self.drafter_spec.mask_token_id if self.drafter_spec else None,
-                lookup=(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-                if self.config.prompt_lookup_min else None, lookup_agree=self.config.prompt_lookup_agree,
-                sampling=sampling, draft_top_k=self.config.draft_top_k, shared=self._step_buffers,
+                target, local, settings, sampling=sampling, shared=self._step_buffers,
                 tree=self.tree if sampling == "greedy" else None,
+                remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
             )
         return self._step_graphs[sampling]
+
+    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict) -> None:
+        """The host message that has the drafter and the TP followers in
+        other processes replay their halves of the step about to launch."""
+        tree = self.tree is not None and mode == "greedy"
+        for w in (self.target, self.drafter):
+            if hasattr(w, "async_step"):
+                w.async_step(n, mode, tree, chained, inputs)
 
     def _can_chain(self, prev: InflightStep) -> bool:
         """Whether the step after ``prev`` may be launched before ``prev``'s

@@ -111,6 +111,7 @@ class EngineLoop:
             pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
         return {
             "num_steps": self.num_steps,
+            "num_async_steps": self.engine.num_async_steps,
             "step_time_s": self.step_time_s,
             "model_time_s": self.model_time_s,
             "pools": pools,

@@ -80,6 +80,30 @@ def test_ray_matches_inprocess(cluster, tp, placement):
     assert stats["calls"]["submit"] == 2 * len(PROMPTS)
 
 
+@pytest.mark.parametrize("tp,placement", [(1, "separate"), (2, "separate"), (2, "colocated")])
+def test_async_step_graphs_in_every_placement(cluster, tp, placement):
+    """Whole-step graphs (here their eager CPU path) with the drafter and the
+    TP followers in other processes: each replays its half from one host
+    message a step, and the tokens are the in-process synchronous engine's,
+    greedy (draft trees, prompt lookups) and seeded samples alike."""
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True, top_p=0.9 if i % 2 else 1)
+               for i, n in enumerate(MAX_TOKENS)]
+    llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=tp, drafter_placement=placement,
+              num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8)
+    try:
+        features = llm.stats()["features"]
+        assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
+        for params in (greedy, sampled):
+            before = llm.stats()["num_async_steps"]
+            assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)
+            stats = llm.stats()
+            assert stats["num_async_steps"] - before > 10, stats
+            assert all(free == cap for free, cap in stats["pools"].values())
+    finally:
+        llm.shutdown()
+
+
 def test_three_way_tensor_parallel_group(cluster, tmp_path):
     """An odd group size (what the default SmolLM2, 9 heads, needs for TP > 1):
     every rank's shard, the plan broadcast and the all-reduces still give
@@ -180,7 +204,8 @@ def test_text_prompts_and_errors_through_ray(cluster):
 def test_clear_error_when_cluster_lacks_gpus(cluster):
     t = time.monotonic()
     with pytest.raises(ConfigError, match="GPU: needs 3, the cluster has 0"):
-        LLM(cluster / "t", cluster / "d", device="cuda", backend="ray", tensor_parallel_size=2)
+        LLM(cluster / "t", cluster / "d", device="cuda", backend="ray", tensor_parallel_size=2,
+            drafter_placement="separate")
     assert time.monotonic() - t < 30
     with pytest.raises(ConfigError, match="drafter_placement"):
         LLM(cluster / "t", cluster / "d", backend="ray", drafter_placement="elsewhere")

@@ -1,0 +1,186 @@
+"""The pieces of a whole-step graph (step_graph.py) that every placement
+shares: the static settings, the drafter's half of a step, and what the
+halves exchange when they run in different processes.
+
+A step is: block inputs from each row's start, last token and emit budget
+-> the drafter's proposal (a chain, a tree, sampled drafts; prompt lookups)
+-> the target's verify forward -> acceptance -> the next step's inputs ->
+the drafter's context store of the accepted rows. With the drafter in
+another process the step graph of rank 0 receives the proposal and sends
+the acceptance and the tapped rows back; TP followers receive the verify
+block's rows (and a draft tree's K/V moves) from rank 0. Every exchange has
+shapes fixed by the batch size, so each side captures it in its graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specray.draft_tree import DraftTree, TreeUniverse, row_depths
+from specray.kernels.ops import lookup_drafts
+from specray.sampling import SamplingTensors, position_uniforms, sample_draft_tokens
+
+MODES = ("greedy", "sampled", "filtered")  # the sampling kinds of a batch, each its own graphs
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What every process of an engine must agree on to run the same step."""
+
+    block_size: int  # B: the anchor row and B - 1 drafts
+    max_seqs: int
+    kv_block_size: int
+    width: int  # block-table width
+    mask_token_id: int
+    lookup: tuple[int, int] | None  # prompt lookup (min_n, max_n), or None
+    lookup_agree: bool
+    draft_top_k: int
+
+    @staticmethod
+    def make(config, block_size: int, max_model_len: int, mask_token_id: int | None) -> "StepSettings":
+        lookup = (config.prompt_lookup_min, config.prompt_lookup_max) if config.prompt_lookup_min else None
+        return StepSettings(block_size, config.max_num_seqs, config.kv_block_size,
+                            -(-(max_model_len + 2 * block_size) // config.kv_block_size), mask_token_id or 0, lookup,
+                            bool(config.prompt_lookup_agree), config.draft_top_k)
+
+
+def state_buffers(cfg: StepSettings, dev, sampling: str, draft_tables: bool, history: bool,
+                  shared: dict | None) -> dict[str, torch.Tensor]:
+    """A chain's state on the device: each row's block start, last token,
+    emit budget, whether it is real, its block tables; the sampling
+    settings of sampled batches; with lookups, the token history."""
+    S, W = cfg.max_seqs, cfg.width
+    bufs = {
+        "start": torch.zeros(S, dtype=torch.int64, device=dev),
+        "last": torch.zeros(S, dtype=torch.int64, device=dev),
+        "real": torch.zeros(S, dtype=torch.bool, device=dev),
+        "budget": torch.zeros(S, dtype=torch.int64, device=dev),
+        "target_tables": torch.zeros(S, W, dtype=torch.int32, device=dev),
+    }
+    if draft_tables:
+        bufs["draft_tables"] = torch.zeros(S, W, dtype=torch.int32, device=dev)
+    if history:
+        bufs["slot"] = torch.zeros(S, dtype=torch.int64, device=dev)
+        bufs["history"] = torch.zeros(S + 1, W * cfg.kv_block_size, dtype=torch.int64, device=dev)
+    if sampling != "greedy":
+        bufs["temperature"] = torch.zeros(S, dtype=torch.float32, device=dev)
+        bufs["top_p"] = torch.ones(S, dtype=torch.float32, device=dev)
+        bufs["top_k"] = torch.zeros(S, dtype=torch.int64, device=dev)
+        bufs["keys"] = torch.zeros(S, 3, dtype=torch.int64, device=dev)
+    if shared is not None:
+        bufs = {name: shared.setdefault(name, buf) for name, buf in bufs.items()}
+    return bufs
+
+
+def padding(bufs: dict, sampling: str, max_seqs: int) -> dict:
+    """Padding rows: block 0, positions from 0, their state reset every step."""
+    return dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {}) | \
+        ({"slot": max_seqs} if "slot" in bufs else {})
+
+
+_GREEDY = SamplingTensors(temperature=torch.zeros(0), top_p=torch.zeros(0), top_k=torch.zeros(0, dtype=torch.int64),
+                          uniforms=torch.zeros(3, 0, 0, dtype=torch.float64), all_greedy=True)
+
+
+def sampling_tensors(bufs: dict, sampling: str, n: int, start: torch.Tensor, B: int) -> SamplingTensors:
+    """A sampled batch's settings, its uniforms drawn from the rows' starts on the device."""
+    if sampling == "greedy":
+        return _GREEDY
+    return SamplingTensors(bufs["temperature"][:n], bufs["top_p"][:n], bufs["top_k"][:n],
+                           position_uniforms(bufs["keys"][:n].T, start, B), all_greedy=False,
+                           any_filter=sampling == "filtered")
+
+
+@dataclass
+class Drafted:
+    """The drafter's half of a step, for ``n`` rows."""
+
+    input_ids: torch.Tensor  # [n, B]: the last token, then the drafts (a lookup's where taken)
+    looked_up: torch.Tensor  # [n] bool
+    shape: DraftTree | None = None  # a draft tree's, where the block holds one
+    draft_idx: torch.Tensor | None = None  # [n, B - 1, K]: the sparse draft distribution of sampled rows
+    draft_q: torch.Tensor | None = None
+
+    @property
+    def drafts(self) -> torch.Tensor:
+        return self.input_ids[:, 1:]
+
+    def row_offsets(self) -> torch.Tensor | None:
+        """``[n, B]``: each row's position past the anchor (a tree's depths), None for a chain."""
+        return None if self.shape is None else row_depths(self.shape)
+
+
+def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n: int, sampling: str,
+            tree: TreeUniverse | None) -> Drafted:
+    """The drafter's proposal for the blocks ``blk`` (``kernels.ops.block_inputs``)."""
+    from specray.actors.drafter import draft_tree_of
+
+    start, last = bufs["start"][:n], bufs["last"][:n]
+    d_tables = bufs["draft_tables"][:n]
+    hidden = drafter.model.propose_hidden(blk.block_ids, start, blk.block_len, d_tables, drafter.max_model_len,
+                                          drafter.kv_cache, blk.positions)
+    draft_logits = drafter.model.logits(hidden[:, 1:])
+    lookup = cfg.lookup
+    history, rows = (bufs["history"], bufs["slot"][:n]) if lookup else (None, None)
+    if tree is not None:
+        looked_up = found = None
+        if lookup:  # a row's lookup draft joins its tree as a branch
+            _, found, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, None,
+                                                torch.zeros_like(blk.block_ids[:, 1:]), last, lookup[0], lookup[1])
+        drafts, shape = draft_tree_of(draft_logits, tree, found, looked_up)
+        if looked_up is None:
+            looked_up = torch.zeros(n, dtype=torch.bool, device=start.device)
+        return Drafted(torch.cat([last[:, None], drafts], 1), looked_up, shape)
+    drafts, idx, q = sample_draft_tokens(draft_logits, st, cfg.draft_top_k)
+    if lookup:
+        greedy_rows = None if sampling == "greedy" else st.temperature == 0
+        input_ids, _, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, greedy_rows, drafts,
+                                                last, lookup[0], lookup[1], cfg.lookup_agree)
+    else:
+        input_ids = torch.cat([last[:, None], drafts], 1)
+        looked_up = torch.zeros(n, dtype=torch.bool, device=start.device)
+    return Drafted(input_ids, looked_up, None, idx, q)
+
+
+# ------------------------------------------------ what the halves exchange
+def pack_drafted(d: Drafted) -> list[torch.Tensor]:
+    """``[n, B + 1 (+ 3B - 1 for a tree)]`` int64: input ids, looked up,
+    (a tree's parents, depths, masks); and a sampled batch's sparse draft
+    distribution."""
+    cols = [d.input_ids, d.looked_up.long()[:, None]]
+    if d.shape is not None:
+        cols += [d.shape.parent, d.shape.depth, d.shape.masks.long()]
+    out = [torch.cat(cols, 1)]
+    if d.draft_q is not None:
+        out += [d.draft_idx, d.draft_q]
+    return out
+
+
+def drafted_buffers(n: int, B: int, tree: bool, sampled: bool, top_k: int, dev) -> list[torch.Tensor]:
+    """Empty tensors of ``pack_drafted``'s shapes."""
+    G = B - 1
+    out = [torch.empty(n, B + 1 + (3 * G + 1 if tree else 0), dtype=torch.int64, device=dev)]
+    if sampled:
+        out += [torch.empty(n, G, top_k, dtype=torch.int64, device=dev),
+                torch.empty(n, G, top_k, dtype=torch.float32, device=dev)]
+    return out
+
+
+def unpack_drafted(ts: list[torch.Tensor], B: int) -> Drafted:
+    ints, G = ts[0], B - 1
+    shape = None
+    if ints.shape[1] > B + 1:
+        o = B + 1
+        shape = DraftTree(ints[:, o : o + G], ints[:, o + G : o + 2 * G], ints[:, o + 2 * G :].int())
+    idx, q = (ts[1], ts[2]) if len(ts) == 3 else (None, None)
+    return Drafted(ints[:, :B], ints[:, B].bool(), shape, idx, q)
+
+
+def kept_rows(num_accepted: torch.Tensor, B: int, row_kept: torch.Tensor | None) -> torch.Tensor:
+    """``[n, B]`` bool: the block rows whose tapped states enter the
+    drafter's context (the anchor and the accepted drafts)."""
+    if row_kept is not None:
+        return row_kept
+    return torch.arange(B, device=num_accepted.device)[None] <= num_accepted[:, None]

@@ -1,0 +1,146 @@
+"""The other processes' halves of a whole-step graph (step_graph.py), and
+the one host message per step that tells them to replay it.
+
+* A **TP follower** replays its verify shard: the block's rows arrive by a
+  broadcast inside rank 0's replay (ids, positions, slots, tree masks,
+  sequence lengths), the all-reduces run inside the forward, and a draft
+  tree's K/V moves arrive by a second broadcast.
+* A **drafter in its own process** mirrors the chain's state (starts, last
+  tokens, budgets, token history): a replay receives the previous step's
+  acceptance and tapped rows, stores their context, advances the state as
+  rank 0's replay did, proposes the next block and sends it. A chain's
+  last step is received by a flush replay.
+
+Rank 0's host sends, before each replay, ``CMD_ASYNC`` with the batch size,
+the sampling kind and the uploads a first step needs (``AsyncControl``),
+or ``CMD_FLUSH``; the rest of the step never leaves the devices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from specray.actors.graphs import DecodeGraphs
+from specray.actors.step_parts import (
+    MODES,
+    StepSettings,
+    pack_drafted,
+    padding,
+    propose,
+    sampling_tensors,
+    state_buffers,
+)
+from specray.kernels.ops import accept_advance, block_inputs, move_kv
+from specray.plan import AttentionMetadata
+
+# The inputs a first step uploads, in the order a control message carries them.
+UPLOADS = ("start", "last", "real", "budget", "target_tables", "draft_tables", "temperature", "top_p", "top_k",
+           "keys", "slot", "history_rows", "history_cols", "history_tokens")
+FIRST, CHAINED, FLUSH = 0, 1, 2
+
+
+def encode_control(n: int, mode: str, tree: bool, kind: int, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    present = [name for name in UPLOADS if name in inputs]
+    meta = torch.tensor([n, MODES.index(mode), int(tree), kind] + [UPLOADS.index(k) for k in present])
+    return [meta] + [inputs[k].cpu() for k in present]
+
+
+def decode_control(ts: list[torch.Tensor]) -> tuple[int, str, bool, int, dict[str, torch.Tensor]]:
+    meta = ts[0].tolist()
+    n, mode, tree, kind = meta[:4]
+    return n, MODES[mode], bool(tree), kind, {UPLOADS[i]: t for i, t in zip(meta[4:], ts[1:])}
+
+
+class TPLink:
+    """Rank 0's broadcasts to its TP followers inside a step replay."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send_verify(self, input_ids, positions, slots, tree_mask, seq_lens) -> None:
+        mask = tree_mask if tree_mask is not None else torch.full_like(slots.reshape(-1), -1)
+        rows = torch.cat([input_ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), mask.long(), seq_lens])
+        dist.broadcast(rows, src=0, group=self.group)
+
+    def send_moves(self, src, dst) -> None:
+        dist.broadcast(torch.stack([src, dst]), src=0, group=self.group)
+
+    def recv(self, t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=0, group=self.group)
+        return t
+
+
+def build_follower_graphs(target, cfg: StepSettings, tree: bool, link: TPLink, shared: dict) -> DecodeGraphs:
+    """A TP follower's replay of rank 0's step: its shard of the verify
+    forward (and a draft tree's K/V moves). Its one input is the block
+    tables, uploaded when they change."""
+    dev, B = target.device, cfg.block_size
+    bufs = {"target_tables": shared.setdefault(
+        "target_tables", torch.zeros(cfg.max_seqs, cfg.width, dtype=torch.int32, device=dev))}
+    query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)
+
+    def step(n: int):
+        N = n * B
+        rows = link.recv(torch.empty(4 * N + n, dtype=torch.int64, device=dev))
+        ids, positions, slots, mask, seq_lens = rows[:N], rows[N : 2 * N], rows[2 * N : 3 * N], \
+            rows[3 * N : 4 * N], rows[4 * N :]
+        attn = AttentionMetadata(positions, slots, query_start_loc[: n + 1], seq_lens, bufs["target_tables"][:n], B,
+                                 target.max_model_len + 2 * B, mask.int() if tree else None)
+        target.model.forward(ids, attn, target.kv_cache, logits_indices=None, tap_layer_ids=())
+        if tree:
+            src, dst = link.recv(torch.empty(2, n * (B - 1), dtype=torch.int64, device=dev))
+            move_kv(target.kv_cache, src, dst)
+        return ()
+
+    return DecodeGraphs(step, bufs, {"target_tables": 1}, {"target_tables": 0}, cfg.max_seqs, dev)
+
+
+def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int, channel, hidden_width: int,
+                         shared: dict) -> DecodeGraphs:
+    """A separate drafter's replay of its half of a step. ``kind``: FIRST
+    (propose from uploaded starts), CHAINED (take the previous step's
+    acceptance and tapped rows first) or FLUSH (only that)."""
+    dev, B = drafter.device, cfg.block_size
+    bufs = state_buffers(cfg, dev, mode, draft_tables=True, history=cfg.lookup is not None, shared=shared)
+    del bufs["target_tables"]
+    # What the last proposal placed where: its rows' positions and context slots.
+    prev = {name: shared.setdefault(name, torch.zeros(cfg.max_seqs, B, dtype=torch.int64, device=dev))
+            for name in ("prev_positions", "prev_slots")}
+    use_tree = tree if mode == "greedy" else None
+
+    def advance(n: int) -> None:
+        """The previous step's results, as rank 0's replay applied them."""
+        res = torch.empty(n, 2 * B + 2, dtype=torch.int64, device=dev)
+        hidden = torch.empty(n * B, hidden_width, dtype=drafter.dtype, device=dev)
+        channel.recv_raw([res, hidden])
+        out, kept = res[:, : B + 2], res[:, B + 2 :].bool()
+        slots = torch.where(kept, prev["prev_slots"][:n], 0)
+        drafter.model.store_context(hidden, prev["prev_positions"][:n].reshape(-1), slots.reshape(-1),
+                                    drafter.kv_cache)
+        budget = bufs["budget"][:n]
+        history, rows = (bufs["history"], bufs["slot"][:n]) if "history" in bufs else (None, None)
+        accept_advance(None, out[:, 0], out[:, 1], out[:, 3:], (budget + 1).clamp(1, B), out[:, 2].bool(), None,
+                       bufs["start"][:n], bufs["last"][:n], budget, bufs["real"][:n], history, rows)
+
+    def step(n: int):
+        if kind != FIRST:
+            advance(n)
+        if kind == FLUSH:
+            return ()
+        start, last, budget = bufs["start"][:n], bufs["last"][:n], bufs["budget"][:n]
+        d_tables = bufs["draft_tables"][:n]
+        blk = block_inputs(start, last, budget, d_tables, d_tables, B, cfg.kv_block_size, cfg.mask_token_id)
+        st = sampling_tensors(bufs, mode, n, start, B)
+        drafted = propose(drafter, cfg, bufs, blk, st, n, mode, use_tree)
+        offsets = drafted.row_offsets()
+        if offsets is None:
+            prev["prev_positions"][:n].copy_(blk.positions)
+            prev["prev_slots"][:n].copy_(blk.draft_slots)
+        else:  # a tree's rows sit at their depths
+            prev["prev_positions"][:n].copy_(start[:, None] + offsets)
+            prev["prev_slots"][:n].copy_(blk.draft_slots.gather(1, offsets))
+        channel.send_raw(pack_drafted(drafted))
+        return ()
+
+    return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, mode, cfg.max_seqs), cfg.max_seqs, dev)
