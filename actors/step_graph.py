@@ -132,7 +132,8 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         elif sampling == "greedy":  # the acceptance is the argmax's: the glue kernel does it
             target_argmax, num_accepted, bonus = argmax(logits.view(n, B, -1)), None, None
         else:
-            res = verify(logits.view(n, B, -1), drafts, blk.block_len - 1, st, drafted.draft_idx, drafted.draft_q)
+            idx, q = (drafted.draft_idx, drafted.draft_q) if drafted is not None else (None, None)
+            res = verify(logits.view(n, B, -1), drafts, blk.block_len - 1, st, idx, q)
             target_argmax, num_accepted, bonus = None, res.num_accepted, res.bonus
         history, history_rows = (bufs["history"], bufs["slot"][:n]) if "history" in bufs else (None, None)
         out, context_slots = accept_advance(target_argmax, num_accepted, bonus, drafts, blk.block_len, looked_up,

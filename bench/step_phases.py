@@ -81,7 +81,7 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
     core.abort_request(rid)
     # The aborted request's last step may still be in flight: drain it, so
     # that the steps timed next are the new request's own.
-    while core._inflight is not None:
+    while core._inflight:
         core.step()
     # A request's fixed cost, warm: its prefill step and first decode step
     # (which launches two steps and waits for the first), each with its phases.
@@ -95,7 +95,7 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
         first_phases.append({k: round(1000 * v, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])})
     prompt_tokens = len(core.requests[rid].prompt_token_ids)
     core.abort_request(rid)
-    while core._inflight is not None:
+    while core._inflight:
         core.step()
     engine_module.launch_decode = launch
     per_step = {k: round(1000 * v / steps, 4) for k, v in sorted(timed_steps.items(), key=lambda kv: -kv[1])}

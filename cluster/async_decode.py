@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import block_table_tensor
-from specray.request import Request
+from specray.request import Request, RequestOutput
 from specray.sampling import SamplingTensors, any_filter, seed_keys
 from specray.staging import host_to_device
 
@@ -46,6 +46,7 @@ class InflightStep:
     requests: list[Request]
     results: torch.Tensor  # [S, B + 2] int64 on the host: accepted, bonus, drafted by lookup, drafts
     ready: torch.cuda.Event | None  # recorded after the copy into ``results``
+    lane: int = 0  # the micro-batch it belongs to (its graphs, state and stream)
 
     def read(self) -> list[tuple[int, int, bool, list[int]]]:
         """Per row: (num_accepted, bonus, drafted by lookup, drafts)."""
@@ -95,15 +96,16 @@ class HistorySlots:
 class ResultBuffers:
     """Pinned host buffers that steps' results are copied into, taken in
     turn. A step's results are read before two more steps are launched (one
-    step is in flight while the previous one is applied; a synchronous
-    step's are read as soon as a chain it starts is launched), so four buffers
-    are never overwritten while the host may still read them; taking one
-    also waits for the copy into it from four steps before (long done: the
+    step is in flight while the previous one is applied, one a lane; a
+    synchronous step's are read as soon as a chain it starts is launched), so
+    eight buffers are never overwritten while the host may still read them
+    (two lanes); taking one also waits for the copy into it from eight steps
+    before (long done: the
     copy of a step that was dropped unread may still be queued). A fresh
     pinned buffer a step went through PyTorch's pinned allocator
     (staging.py says what that cost)."""
 
-    def __init__(self, count: int = 4):
+    def __init__(self, count: int = 8):
         self._slots: list[tuple[torch.Tensor | None, torch.cuda.Event | None]] = [(None, None)] * count
         self._next = 0
 
@@ -160,7 +162,7 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
 
 
 def launch_decode(core, requests: list[Request], chained: bool,
-                  first_tokens: torch.Tensor | None = None) -> InflightStep:
+                  first_tokens: torch.Tensor | None = None, lane: int = 0) -> InflightStep:
     """Enqueue one step graph replay (actors/step_graph.py) for
     ``requests``: a first step loads each row's start and last token from
     the host (or, with ``first_tokens`` ``[S]`` on the device, opens each
@@ -168,11 +170,17 @@ def launch_decode(core, requests: list[Request], chained: bool,
     continues from the previous replay's. Blocks must be reserved through
     each row's block (``start + B``, or its cut-short end: the rows past
     that end write K/V nothing reads, into the row's last block or the
-    reserved block 0)."""
+    reserved block 0). ``lane``: the micro-batch, whose graphs replay on
+    its own CUDA stream (``EngineCore.lane_stream``)."""
+    with core.lane_stream(lane):
+        return _launch(core, requests, chained, first_tokens, lane)
+
+
+def _launch(core, requests, chained, first_tokens, lane) -> InflightStep:
     params = [r.params for r in requests]
     vocab = core.target_spec.vocab_size
     mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
-    graphs = core.step_graphs(mode)
+    graphs = core.step_graphs(mode, lane)
     dev = core.device
     inputs, uploads = {}, None
     after_prefill = first_tokens is not None
@@ -199,11 +207,11 @@ def launch_decode(core, requests: list[Request], chained: bool,
             inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
     # Tables change only when a row crosses into a new block: upload them then.
     tables = [r.target_blocks.blocks for r in requests]
-    if not chained or tables != core.uploaded_tables:
+    if not chained or tables != core.uploaded_tables[lane]:
         inputs["target_tables"] = block_table_tensor(tables)
         if core.drafter is not None:
             inputs["draft_tables"] = block_table_tensor([r.draft_blocks.blocks for r in requests])
-        core.uploaded_tables = [list(t) for t in tables]
+        core.uploaded_tables[lane] = [list(t) for t in tables]
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
         inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
         uploads = None
@@ -222,4 +230,151 @@ def launch_decode(core, requests: list[Request], chained: bool,
         results, ready = core.result_buffers.fetch(out)
     else:
         results, ready = out.clone(), None
-    return InflightStep(list(requests), results, ready)
+    return InflightStep(list(requests), results, ready, lane)
+
+
+class AsyncSteps:
+    """``EngineCore``'s side of asynchronous steps: when a step may run as a
+    step graph, rank 0's graphs, the word to the other processes, chaining
+    and applying."""
+
+    def _async_unsupported(self) -> str | None:
+        if not self.config.async_scheduling:
+            return "turned off (async_scheduling=False)" if self.config.cuda_graphs else "needs CUDA graphs"
+        if self.config.sync_timing:
+            return "sync_timing measures synchronous steps"
+        workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
+        if not all(getattr(w, "runs_step_graphs", False) for w in workers):
+            return "needs step graphs on every worker"
+        return None
+
+    def _async_eligible(self, plan) -> bool:
+        """A decode-only step, with the target (TP 1) and the drafter in
+        this process, may start a chain of asynchronous steps (a row's
+        cut-short block is cut on the device, by its emit budget)."""
+        if plan.prefill or plan.preempted or not plan.decode:
+            return False
+        return self.async_capable([d.request for d in plan.decode])
+
+    def async_capable(self, requests: list[Request]) -> bool:
+        """Whether these requests' decode steps may run as step graphs
+        launched ahead of the host (the settings and the workers allow it)."""
+        if self._async_unsupported() is not None:
+            return False
+        if any(r.reads_verify_rows for r in requests):
+            return False
+        # A sampled row's lookup draft needs its one-hot q: synchronous steps have it.
+        return not (self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and
+                    not all(r.params.greedy for r in requests))
+
+    def step_graphs(self, sampling: str, lane: int = 0):
+        """Rank 0's whole-step graphs, for batches whose ``sampling`` is
+        "greedy", "sampled" or "filtered" (a drafter or TP followers in other
+        processes replay their halves: actors/step_peers.py), of micro-batch
+        ``lane``: each lane has its state, its graphs and their memory; the
+        token history is one (its rows are the requests')."""
+        key = (sampling, lane)
+        if key not in self._step_graphs:
+            from specray.actors.step_graph import build_step_graphs
+            from specray.actors.step_parts import StepSettings
+
+            target = getattr(self.target, "worker", self.target)
+            local = self.drafter if getattr(self.drafter, "local_model", False) else None
+            settings = StepSettings.make(self.config, self.block_size, self.max_model_len,
+                                         self.drafter_spec.mask_token_id if self.drafter_spec else None)
+            shared = self._step_buffers.setdefault(lane, {})
+            if lane and "history" in self._step_buffers[0]:
+                shared.setdefault("history", self._step_buffers[0]["history"])
+            self._step_graphs[key] = build_step_graphs(
+                target, local, settings, sampling=sampling, shared=shared,
+                tree=self.tree if sampling == "greedy" else None,
+                remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
+            )
+        return self._step_graphs[key]
+
+    # ------------------------------------------------- micro-batch lanes
+    def _overlap_unsupported(self) -> str | None:
+        if self.config.overlap is False:
+            return "turned off (overlap=False)"
+        if self._async_unsupported() is not None:
+            return "needs async_scheduling"
+        if self.device.type != "cuda" and not self.config.overlap:
+            return "CUDA only (two lanes run on two streams; overlap=True runs them in turn, to test them)"
+        if any(hasattr(w, "async_step") for w in (self.target, self.drafter)):
+            return "built for the target (TP 1) and the drafter in one process"
+        return None
+
+    def lane_split(self, requests: list[Request]) -> list[list[Request]]:
+        """The micro-batches a chain of asynchronous steps runs as: two lanes,
+        each on a CUDA stream of its own, whose steps the GPU overlaps (one
+        lane's drafter kernels under the other's target kernels), where the
+        batch is at least ``overlap_min_batch``; else one."""
+        if len(requests) < self.config.overlap_min_batch or self._overlap_unsupported() is not None:
+            return [requests]
+        half = (len(requests) + 1) // 2
+        return [requests[:half], requests[half:]]
+
+    def lane_stream(self, lane: int):
+        """A context that makes lane ``lane``'s stream current (lane 0: the
+        engine's own; lane 1 a side stream that first waits for it)."""
+        import contextlib
+
+        if lane == 0 or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._side_stream)
+
+    def _start_lanes(self, parts: list[list[Request]]) -> list[InflightStep]:
+        if len(parts) > 1 and self.device.type == "cuda":
+            self.lane_stream(1)  # created on first use
+            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return [launch_decode(self, part, chained=False, lane=i) for i, part in enumerate(parts)]
+
+    def _join_lanes(self) -> None:
+        """What the side lane wrote (K/V, context) comes before anything the
+        engine's stream does next."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+
+    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict) -> None:
+        """The host message that has the drafter and the TP followers in
+        other processes replay their halves of the step about to launch."""
+        tree = self.tree is not None and mode == "greedy"
+        for w in (self.target, self.drafter):
+            if hasattr(w, "async_step"):
+                w.async_step(n, mode, tree, chained, inputs)
+
+    def _can_chain(self, requests: list[Request]) -> bool:
+        """Whether the steps after those in flight for ``requests`` may be
+        launched before their results are applied: the same rows, none
+        finished, none near a length limit, no waiting request that
+        scheduling would admit now (one that does not fit waits for a finish,
+        which drains), and room to reserve every row's blocks two verify
+        blocks ahead."""
+        sched, B = self.scheduler, self.block_size
+        if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B):
+            return False
+        for r in requests:
+            # The host's view lags ``prev``: it may advance by up to B, and
+            # its next block needs B rows more.
+            if r.finished or r.num_computed + 2 * B > self.max_model_len:
+                return False
+            if r.params.max_tokens - len(r.output_token_ids) <= 1:
+                return False  # ``prev`` emits at least one token, the last
+        return all(sched.reserve(r, r.num_computed + 2 * B) for r in requests)
+
+    def _apply_inflight(self, step: InflightStep, chained: bool) -> list[RequestOutput]:
+        """Apply an asynchronous step's tokens. With the next step in flight
+        its blocks stay reserved; rows of requests that finished meanwhile
+        are dropped."""
+        outputs = []
+        for r, (a, bonus, looked_up, drafts) in zip(step.requests, step.read()):
+            if r.finished:
+                continue
+            # The block the graph verified, cut as the scheduler cuts it from
+            # the host's view when the step was launched (it is now).
+            num_drafts = self.scheduler.block_len(r) - 1
+            r.metrics.num_lookup_steps += looked_up
+            outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+        return self._forget_finished(outputs)

@@ -374,6 +374,13 @@ class EngineConfig:
     # graphs on a GPU (a placement that cannot run it says so at start-up:
     # EngineCore.features).
     async_scheduling: bool | None = None
+    # Micro-batch overlap of asynchronous steps: a batch of at least
+    # overlap_min_batch requests runs as two lanes, each a chain of step
+    # graphs on a CUDA stream of its own, so the GPU runs one lane's drafter
+    # under the other's target (target and drafter in one process). None:
+    # on where it can run.
+    overlap: bool | None = None
+    overlap_min_batch: int = 16
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -395,7 +402,7 @@ class EngineConfig:
         for name in ("num_kv_blocks", "num_draft_kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 2:  # block 0 is reserved
                 raise ConfigError(f"{name} must be at least 2 (or unset), got {getattr(self, name)}")
-        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k"):
+        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k", "overlap_min_batch"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

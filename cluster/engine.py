@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.actors.kv_cache import BlockAllocator, block_table_tensor
-from specray.async_decode import HistorySlots, InflightStep, ResultBuffers, chain_from_prefill, launch_decode
+from specray.actors.kv_cache import BlockAllocator
+from specray.async_decode import AsyncSteps, HistorySlots, InflightStep, ResultBuffers, chain_from_prefill, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import (
     detokenize_step,
@@ -38,16 +38,15 @@ from specray.detokenizer import (
     max_prompt_chars,
     stop_holdback,
 )
-from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens, unsupported as tree_unsupported
-from specray.kernels import ops
-from specray.logprobs import LogprobRows
-from specray.penalties import penalize
-from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
+from specray.draft_tree import load_universe, unsupported as tree_unsupported
 from specray.request import Request, RequestOutput, check_prompt_length
-from specray.prompt_lookup import NgramIndex, lookup_rows, merge_lookup_drafts
-from specray.sampling import SamplingParams, SamplingTensors, verify
+from specray.prompt_lookup import merge_lookup_drafts
+from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device
-from specray.scheduler import DecodeItem, PrefillItem, Scheduler
+from specray.scheduler import Scheduler
+from specray.step_batch import StepBatches
+from specray.step_rows import VerifyRows
+from specray.sync_accept import SyncAccept
 
 
 @dataclass
@@ -77,32 +76,8 @@ def _token_ids(prompt) -> list[int]:
     return ids
 
 
-@dataclass
-class AcceptedOnDevice:
-    """A synchronous step's results, being copied to the host."""
 
-    host: torch.Tensor  # [2S + S*G (+ S*G) + P]: accepted counts, bonus tokens, drafts, (path rows,) first tokens
-    ready: torch.cuda.Event | None
-    S: int  # decode rows
-    G: int  # drafts a row
-    first_tokens: torch.Tensor | None  # [P] on the device: first tokens of the prompts this step finished
-    tree: bool = False  # draft trees: the drafts are the accepted paths', their block rows follow
-    path_rows: list[list[int]] | None = None  # set by read() for trees
-
-    def read(self) -> tuple[list[int], list[int], list[list[int]], list[int]]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        host, S, G = self.host.tolist(), self.S, self.G
-        drafts = host[2 * S : 2 * S + S * G]
-        end = 2 * S + S * G
-        if self.tree:
-            rows = host[end : end + S * G]
-            self.path_rows = [rows[s * G : (s + 1) * G] for s in range(S)]
-            end += S * G
-        return host[:S], host[S : 2 * S], [drafts[s * G : (s + 1) * G] for s in range(S)], host[end:]
-
-
-class EngineCore:
+class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
     def __init__(
         self,
         config: EngineConfig,
@@ -153,12 +128,13 @@ class EngineCore:
         self._encoder_lock = threading.Lock()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len - 1)
         self.last_step = StepStats()
-        self._inflight: InflightStep | None = None  # an asynchronous step not yet applied
+        self._inflight: list[InflightStep] = []  # asynchronous steps not yet applied, one a lane
         self._step_graphs = {}
-        self._step_buffers: dict[str, torch.Tensor] = {}  # inputs the step graphs of every sampling kind share
+        self._step_buffers: dict[int, dict[str, torch.Tensor]] = {}  # a lane's inputs its sampling kinds share
+        self._side_stream = None  # the second lane's
         self.history_slots = HistorySlots(self.config.max_num_seqs)  # requests' rows of the graphs' token history
         self.result_buffers = ResultBuffers()  # pinned copies of steps' results
-        self.uploaded_tables: list[list[int]] = []  # what the step graphs' block tables hold
+        self.uploaded_tables: list[list[list[int]]] = [[], []]  # what each lane's graphs' block tables hold
         self.num_async_steps = 0
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
         self.tree = self._tree_universe()
@@ -242,20 +218,24 @@ class EngineCore:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self._inflight is None:
+        if not self._inflight:
             plan = self.scheduler.schedule()
             if not self._async_eligible(plan):
                 return self._sync_step(plan, t0)
-            self._inflight = launch_decode(self, [d.request for d in plan.decode], chained=False)
-        # Enqueue the next step before reading this one's results, so the GPU
-        # runs it while the host applies them (async_decode.py).
+            self._inflight = self._start_lanes(self.lane_split([d.request for d in plan.decode]))
+        # Enqueue the next steps before reading these ones' results, so the
+        # GPU runs them while the host applies these (async_decode.py).
         prev = self._inflight
-        self._inflight = launch_decode(self, prev.requests, chained=True) if self._can_chain(prev) else None
-        outputs = self._apply_inflight(prev, chained=self._inflight is not None)
-        if self._inflight is not None and all(r.finished for r in self._inflight.requests):
-            self._inflight = None  # its results belong to no one
+        everyone = [r for p in prev for r in p.requests]
+        chained = self._can_chain(everyone)
+        self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane) for p in prev] if chained else []
+        if not chained:
+            self._join_lanes()
+        outputs = [o for p in prev for o in self._apply_inflight(p, chained=chained)]
+        if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
+            self._inflight = []  # their results belong to no one
         self.num_async_steps += 1
-        self.last_step = StepStats(len(prev.requests), 0, time.perf_counter() - t0)
+        self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         return outputs
 
     def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
@@ -327,7 +307,7 @@ class EngineCore:
         if chain is not None:
             self.num_prefill_chains += 1
             if not all(r.finished for r in chain.requests):
-                self._inflight = chain
+                self._inflight = [chain]
         stats.total = time.perf_counter() - t0
         self.last_step = stats
         return outputs
@@ -347,26 +327,6 @@ class EngineCore:
         universe = load_universe(self.drafter_spec.path, self.block_size - 1).to(self.device)
         self.drafter.tree = universe
         return universe
-
-    def _tree_step(self, decode: list[DecodeItem]) -> bool:
-        """Whether this step's blocks hold draft trees: every row greedy, and
-        none needing what walks a chain's rows (min_tokens' mask, log
-        probabilities, penalties)."""
-        return self.tree is not None and all(
-            d.request.params.greedy and not d.request.reads_verify_rows for d in decode)
-
-    def _place_tree(self, batch, tree, draft_dst: torch.Tensor, draft_src: torch.Tensor) -> None:
-        """Positions (the anchor's plus each node's depth) and attention
-        masks (ancestors only) of the drafted rows."""
-        dev, G = self.device, tree.depth.shape[1]
-        attn = batch.attn
-        anchor = attn.positions[draft_dst] - draft_src % G - 1  # host: row j sits at anchor + j
-        dst, src = host_to_device(draft_dst, dev), host_to_device(draft_src, dev)
-        attn.positions = host_to_device(attn.positions, dev)
-        attn.positions[dst] = host_to_device(anchor, dev) + tree.depth.reshape(-1)[src]
-        mask = torch.full(batch.input_ids.shape, -1, dtype=torch.int32, device=dev)
-        mask[dst] = tree.masks[:, 1:].reshape(-1)[src]
-        attn.tree_mask = mask
 
     def features(self) -> dict[str, dict]:
         """The speed features this engine runs, each ``{"on": bool}`` with
@@ -388,98 +348,12 @@ class EngineCore:
             reason = "turned off (draft_tree=False)" if self.config.draft_tree is False else \
                 tree_unsupported(self.block_size, self.target_spec.layer_window)
             out["draft_tree"] = feature(self.tree is not None, reason)
+        out["overlap"] = feature(self._overlap_unsupported() is None, self._overlap_unsupported())
+        if out["overlap"]["on"]:
+            out["overlap"]["min_batch"] = self.config.overlap_min_batch
         return out
 
-    def _async_unsupported(self) -> str | None:
-        if not self.config.async_scheduling:
-            return "turned off (async_scheduling=False)" if self.config.cuda_graphs else "needs CUDA graphs"
-        if self.config.sync_timing:
-            return "sync_timing measures synchronous steps"
-        workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
-        if not all(getattr(w, "runs_step_graphs", False) for w in workers):
-            return "needs step graphs on every worker"
-        return None
-
-    # ------------------------------------------------------ asynchronous steps
-    def _async_eligible(self, plan) -> bool:
-        """A decode-only step, with the target (TP 1) and the drafter in
-        this process, may start a chain of asynchronous steps (a row's
-        cut-short block is cut on the device, by its emit budget)."""
-        if plan.prefill or plan.preempted or not plan.decode:
-            return False
-        return self.async_capable([d.request for d in plan.decode])
-
-    def async_capable(self, requests: list[Request]) -> bool:
-        """Whether these requests' decode steps may run as step graphs
-        launched ahead of the host (the settings and the workers allow it)."""
-        if self._async_unsupported() is not None:
-            return False
-        if any(r.reads_verify_rows for r in requests):
-            return False
-        # A sampled row's lookup draft needs its one-hot q: synchronous steps have it.
-        return not (self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and
-                    not all(r.params.greedy for r in requests))
-
-    def step_graphs(self, sampling: str):
-        """Rank 0's whole-step graphs, for batches whose ``sampling`` is
-        "greedy", "sampled" or "filtered" (a drafter or TP followers in other
-        processes replay their halves: actors/step_peers.py)."""
-        if sampling not in self._step_graphs:
-            from specray.actors.step_graph import build_step_graphs
-            from specray.actors.step_parts import StepSettings
-
-            target = getattr(self.target, "worker", self.target)
-            local = self.drafter if getattr(self.drafter, "local_model", False) else None
-            settings = StepSettings.make(self.config, self.block_size, self.max_model_len,
-                                         self.drafter_spec.mask_token_id if self.drafter_spec else None)
-            self._step_graphs[sampling] = build_step_graphs(
-                target, local, settings, sampling=sampling, shared=self._step_buffers,
-                tree=self.tree if sampling == "greedy" else None,
-                remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
-            )
-        return self._step_graphs[sampling]
-
-    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict) -> None:
-        """The host message that has the drafter and the TP followers in
-        other processes replay their halves of the step about to launch."""
-        tree = self.tree is not None and mode == "greedy"
-        for w in (self.target, self.drafter):
-            if hasattr(w, "async_step"):
-                w.async_step(n, mode, tree, chained, inputs)
-
-    def _can_chain(self, prev: InflightStep) -> bool:
-        """Whether the step after ``prev`` may be launched before ``prev``'s
-        results are applied: the same rows, none finished, none near a
-        length limit, no waiting request that scheduling would admit now (one
-        that does not fit waits for a finish, which drains), and room to
-        reserve every row's blocks two verify blocks ahead."""
-        sched, B = self.scheduler, self.block_size
-        if len(sched.running) != len(prev.requests) or sched.could_admit(len(prev.requests) * B):
-            return False
-        for r in prev.requests:
-            # The host's view lags ``prev``: it may advance by up to B, and
-            # its next block needs B rows more.
-            if r.finished or r.num_computed + 2 * B > self.max_model_len:
-                return False
-            if r.params.max_tokens - len(r.output_token_ids) <= 1:
-                return False  # ``prev`` emits at least one token, the last
-        return all(sched.reserve(r, r.num_computed + 2 * B) for r in prev.requests)
-
-    def _apply_inflight(self, step: InflightStep, chained: bool) -> list[RequestOutput]:
-        """Apply an asynchronous step's tokens. With the next step in flight
-        its blocks stay reserved; rows of requests that finished meanwhile
-        are dropped."""
-        outputs = []
-        for r, (a, bonus, looked_up, drafts) in zip(step.requests, step.read()):
-            if r.finished:
-                continue
-            # The block the graph verified, cut as the scheduler cuts it from
-            # the host's view when the step was launched (it is now).
-            num_drafts = self.scheduler.block_len(r) - 1
-            r.metrics.num_lookup_steps += looked_up
-            outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
-        return self._forget_finished(outputs)
-
+    # --------------------------------------------------------------- apply
     def _emit(self, r: Request, drafts: list[int], a: int, bonus: int, num_drafts: int,
               keep_ahead: int = 0, logprobs: list | None = None) -> RequestOutput:
         """A decode row's result: its first ``a`` drafts and the bonus token
@@ -502,253 +376,6 @@ class EngineCore:
     def _sync(self) -> None:
         if self.config.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _lookup_drafts(self, decode: list[DecodeItem]) -> list[list[int]]:
-        """Each request's prompt-lookup draft ([] for none, and for sampled
-        requests unless prompt_lookup_sampled; a request that drafts nothing
-        this step counts as having one)."""
-        lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
-        if not lo:
-            return [[] for _ in decode]
-        out = []
-        for d in decode:
-            r = d.request
-            if d.block_len <= 1:
-                out.append([r.output_token_ids[-1]])
-                continue
-            if not (r.params.greedy or self.config.prompt_lookup_sampled):
-                out.append([])
-                continue
-            if r.lookup_index is None:
-                r.lookup_index = NgramIndex(lo, hi)
-            out.append(r.lookup_index.propose(r.prompt_token_ids, r.output_token_ids, self.block_size - 1))
-        return out
-
-    def _count_lookups(self, decode: list[DecodeItem], lookup: list[list[int]], drafted: list[list[int]]) -> None:
-        """Count the steps whose drafts were a lookup's. One that had to
-        agree with the drafter was taken iff the step's first draft is the
-        lookup's first token (the drafter's differed otherwise)."""
-        agree = self.config.prompt_lookup_agree and not self._tree_step(decode)  # a tree takes every lookup
-        for d, found, tokens in zip(decode, lookup, drafted):
-            taken = not agree or not d.request.params.greedy or tokens[:1] == found[:1]
-            d.request.metrics.num_lookup_steps += bool(found) and taken
-
-    def _draft_batch(self, decode: list[DecodeItem], st: SamplingTensors,
-                     tree_lookup: list[list[int]] | None = None) -> DraftBatch:
-        """``tree_lookup``: draft trees, with each row's lookup draft ([] for
-        none) as a branch."""
-        B = self.block_size
-        lookup = has = None
-        if tree_lookup is not None and any(tree_lookup):
-            lookup = lookup_rows(tree_lookup, B - 1)
-            has = torch.tensor([bool(d) and dl.block_len > 1 for d, dl in zip(tree_lookup, decode)])
-        mask = self.drafter_spec.mask_token_id
-        block_ids = torch.full((len(decode), B), mask, dtype=torch.int64)
-        block_ids[:, 0] = torch.tensor([d.request.all_token_ids[-1] for d in decode])
-        ctx = [d.request.num_computed for d in decode]
-        return DraftBatch(
-            block_ids=block_ids,
-            ctx_lens=torch.tensor(ctx, dtype=torch.int64),
-            block_lens=torch.tensor([d.block_len for d in decode], dtype=torch.int64),
-            block_tables=block_table_tensor([d.request.draft_blocks.blocks for d in decode]),
-            max_ctx_len=max(ctx),
-            sampling=st,
-            tree=tree_lookup is not None,
-            tree_lookup=lookup,
-            tree_has_lookup=has,
-        )
-
-    def _target_batch(self, decode: list[DecodeItem], prefill: list[PrefillItem]):
-        """Flatten verify blocks and prefill chunks into one TargetBatch.
-
-        Also returns where draft tokens go in ``input_ids`` (``draft_dst``),
-        which draft each one is (``draft_src``, flat index into the
-        ``[S, B-1]`` drafts), and ``logit_rows``: the ``[S, Bmax]`` rows of
-        the logits that hold each verify block (padded with its first row),
-        followed by one row per prefill chunk that samples.
-
-        A decode-only step with ``cuda_graphs`` gives every block the full
-        ``B`` rows (the extra rows write to the reserved block 0 and are never
-        read), so its shapes depend on the batch size alone."""
-        uniform = self.config.cuda_graphs and not prefill
-        ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
-        draft_dst, draft_src, logits_indices = [], [], []
-        bmax = max((d.block_len for d in decode), default=1)
-        verify_rows = []
-        G = self.block_size - 1
-        for s, d in enumerate(decode):
-            r = d.request
-            base = len(ids)
-            rows = self.block_size if uniform else d.block_len
-            ids.append(r.all_token_ids[-1])
-            ids.extend([0] * (rows - 1))
-            draft_dst.extend(range(base + 1, base + d.block_len))
-            draft_src.extend(range(s * G, s * G + d.block_len - 1))
-            positions.extend(range(r.num_computed, r.num_computed + rows))
-            slots.extend(r.target_blocks.slots(r.num_computed, r.num_computed + d.block_len))
-            slots.extend([0] * (rows - d.block_len))
-            seq_lens.append(r.num_computed + rows)
-            tables.append(r.target_blocks.blocks)
-            first = len(logits_indices)
-            verify_rows.append(list(range(first, first + d.block_len)) + [first] * (bmax - d.block_len))
-            logits_indices.extend(range(base, base + rows))
-            starts.append(len(ids))
-        sample_rows = []
-        for p in prefill:
-            r = p.request
-            ids.extend(r.all_token_ids[p.start : p.end])
-            positions.extend(range(p.start, p.end))
-            slots.extend(r.target_blocks.slots(p.start, p.end))
-            seq_lens.append(p.end)
-            tables.append(r.target_blocks.blocks)
-            if p.samples_first_token:
-                sample_rows.append(len(logits_indices))
-                logits_indices.append(len(ids) - 1)
-            starts.append(len(ids))
-        q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-        attn = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            block_tables=block_table_tensor(tables),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-        )
-        batch = TargetBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            attn=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            want_hidden=self.drafter is not None,
-            uniform_rows=self.block_size if uniform else 0,
-        )
-        logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
-        return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
-
-    @staticmethod
-    def _rows_of(decode, prefill, logit_rows, uniform_rows: int, wants) -> list[tuple[Request, list[int], int | None]]:
-        """``(request, its logits rows, its decode row)`` for each request of
-        the step that ``wants``: a decode row's verify block (row ``j``
-        predicts its output token ``len(output) + j``), a prompt's
-        first-token row (decode row None)."""
-        verify_rows, sample_rows = logit_rows
-        out = []
-        for s, d in enumerate(decode):
-            if wants(d.request):
-                if uniform_rows:  # sequence s owns rows s*B .. s*B+B-1
-                    rows = [s * uniform_rows + j for j in range(d.block_len)]
-                else:
-                    rows = verify_rows[s, : d.block_len].tolist()
-                out.append((d.request, rows, s))
-        for k, r in enumerate(p.request for p in prefill if p.samples_first_token):
-            if wants(r):
-                out.append((r, [int(sample_rows[k])], None))
-        return out
-
-    def _penalize(self, decode, prefill, logits, logit_rows, uniform_rows: int, drafts) -> None:
-        """Presence / frequency / repetition penalties on the rows of the
-        requests that set them (penalties.py)."""
-        groups = self._rows_of(decode, prefill, logit_rows, uniform_rows, lambda r: r.params.penalized)
-        penalize(logits, groups, drafts.tokens if drafts is not None else None)
-
-    def _mask_early_stops(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> None:
-        """Stop tokens get no probability (logit -inf) in the rows that
-        predict a request's output tokens before its ``min_tokens``; the
-        verification then accepts, and samples, what an autoregressive step
-        under the same mask would."""
-        vocab = logits.shape[-1]
-        rows, cols = [], []
-        for r, r_rows, _ in self._rows_of(decode, prefill, logit_rows, uniform_rows, lambda r: r.min_tokens_left):
-            stops = [t for t in sorted(r.stop_token_ids) if 0 <= t < vocab]
-            for row in r_rows[: r.min_tokens_left]:
-                rows.extend([row] * len(stops))
-                cols.extend(stops)
-        if rows:
-            rows_cols = host_to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
-            with torch.inference_mode():  # the workers' outputs are inference tensors
-                logits.index_put_((rows_cols[0], rows_cols[1]),
-                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
-
-    def _logprob_rows(self, decode, prefill, logits, logit_rows, uniform_rows: int) -> LogprobRows | None:
-        """The log-softmax rows of the requests that asked for log
-        probabilities, taken before the min_tokens mask (raw logprobs)."""
-        wanted = self._rows_of(decode, prefill, logit_rows, uniform_rows, lambda r: r.params.logprobs is not None)
-        return LogprobRows.take(logits, [(r, rows) for r, rows, _ in wanted])
-
-    @staticmethod
-    def _read_logprobs(rows: LogprobRows, decode, prefill, results) -> dict:
-        """The entries of the tokens each asking request emitted this step
-        (a decode row's accepted drafts and bonus; a prompt's first token)."""
-        n_acc, bonus, drafts, firsts = results
-        emitted = {}
-        for s, d in enumerate(decode):
-            emitted[d.request.request_id] = drafts[s][: n_acc[s]] + [bonus[s]]
-        for p, first in zip((p for p in prefill if p.samples_first_token), firsts):
-            emitted[p.request.request_id] = [first]
-        return rows.read([emitted[r.request_id] for r in rows.requests])
-
-    def _accept(self, decode, prefill, logits, logit_rows, drafts, st, batch) -> "AcceptedOnDevice":
-        """Accepted counts, emitted bonus tokens and first tokens of
-        finished prefills, on their way to the host in one transfer."""
-        dev = logits.device
-        verify_rows, sample_rows = logit_rows
-        parts = []
-        S = len(decode)
-        G = verify_rows.shape[1] - 1 if S else 0  # drafts of the longest block
-        tree = S and drafts is not None and drafts.tree is not None
-        if S:
-            num_drafts = host_to_device(torch.tensor([d.block_len - 1 for d in decode]), dev)
-            if batch.uniform_rows:  # sequence s owns rows s*B .. s*B+B-1, in order
-                target_logits = logits.view(S, batch.uniform_rows, -1)[:, : G + 1]
-            else:
-                target_logits = logits[host_to_device(verify_rows, dev)]
-        if tree:
-            G = drafts.tokens.shape[1]
-            parts += self._accept_tree(decode, target_logits, num_drafts, drafts, batch)
-        elif S:
-            if drafts is not None:
-                draft_tokens = drafts.tokens[:, :G].to(dev)
-                idx = drafts.draft_idx[:, :G].to(dev) if drafts.draft_idx is not None else None
-                q = drafts.draft_q[:, :G].to(dev) if drafts.draft_q is not None else None
-            else:
-                draft_tokens, idx, q = torch.zeros(S, 0, dtype=torch.long, device=dev), None, None
-            res = verify(target_logits, draft_tokens, num_drafts, st, idx, q)
-            parts += [res.num_accepted, res.bonus, draft_tokens.reshape(-1)]
-        sampling = [p for p in prefill if p.samples_first_token]
-        if sampling:
-            ps = [p.request.params for p in sampling]
-            st = SamplingTensors.build(ps, [p.request.seed for p in sampling], [p.end - 1 for p in sampling], 1, dev,
-                                       vocab_size=self.target_spec.vocab_size)
-            no_drafts = torch.zeros(len(sampling), 0, dtype=torch.long, device=dev)
-            zeros = torch.zeros(len(sampling), dtype=torch.long, device=dev)
-            first = verify(logits[host_to_device(sample_rows, dev)][:, None], no_drafts, zeros, st)
-            parts.append(first.bonus)
-        flat = torch.cat([p.reshape(-1).long() for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
-        # Copied out before anything else is enqueued: the host waits for
-        # this step's results only, not for a chain launched after it.
-        host, ready = self.result_buffers.fetch(flat) if flat.is_cuda else (flat, None)
-        return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None, tree=bool(tree))
-
-    def _accept_tree(self, decode, target_logits, num_drafts, drafts, batch) -> list[torch.Tensor]:
-        """Greedy acceptance over draft trees, from the verify blocks' logits
-        ``[S, longest block, V]``; the accepted nodes' target K/V move to
-        their positions' slots. Returns the device parts of the results:
-        accepted counts, bonus tokens, the paths' drafts and block rows."""
-        dev, S = target_logits.device, len(decode)
-        B = drafts.tokens.shape[1] + 1
-        target_argmax = ops.argmax(target_logits)
-        if target_argmax.shape[1] < B:  # rows past every block: no real node has its parent there
-            target_argmax = torch.nn.functional.pad(target_argmax, (0, B - target_argmax.shape[1]))
-        acc = accept_greedy(target_argmax, drafts.tokens, drafts.tree, num_drafts)
-        # Block row j of sequence s is token query_start_loc[s] + j; rows past
-        # a cut-short block stand for its row 0 (they only copy onto themselves).
-        j = torch.arange(B)
-        lens = torch.tensor([d.block_len for d in decode])
-        rows = batch.attn.query_start_loc[:S, None] + torch.where(j[None] < lens[:, None], j[None], 0)
-        row_slots = host_to_device(batch.attn.slot_mapping[rows], dev)
-        self.target.move_kv(*kv_moves(row_slots, acc.path_rows))
-        return [acc.num_accepted, acc.bonus, path_tokens(drafts.tokens, acc.path_rows).reshape(-1),
-                acc.path_rows.reshape(-1)]
 
     def _apply(self, decode, prefill, results, batch, chained: bool = False,
                logprobs: dict | None = None, path_rows: list[list[int]] | None = None) -> list[RequestOutput]:

@@ -60,8 +60,10 @@ def run(eng, prompts, params, joins=(), abort=None):
     return outs
 
 
-@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
-def test_async_steps_equal_sync_steps(models, drafter):
+@pytest.mark.parametrize("drafter,lanes", [(True, False), (False, False), (True, True)], ids=["spec", "ar", "lanes"])
+def test_async_steps_equal_sync_steps(models, drafter, lanes):
+    """``lanes``: a batch of two or more runs as two micro-batch chains
+    (overlap; on the CPU in turn), each from its own graphs and state."""
     ps = prompts()
     greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, **kw)  # noqa: E731
     # Free continuations, to pick stops that end requests mid-step.
@@ -80,7 +82,7 @@ def test_async_steps_equal_sync_steps(models, drafter):
     ]
     joins, abort = {4: 30, 6: 20}, ("5", 25)
     sync = run(engine(models, drafter, False), ps, params, joins, abort)
-    eng = engine(models, drafter, True)
+    eng = engine(models, drafter, True, **(dict(overlap=True, overlap_min_batch=2) if lanes else {}))
     # Rows applied after their request had finished, with the next step in flight.
     dropped = []
     apply = eng._apply_inflight
@@ -92,6 +94,7 @@ def test_async_steps_equal_sync_steps(models, drafter):
     eng._apply_inflight = counting_apply
     got = run(eng, ps, params, joins, abort)
     assert eng.num_async_steps > 10
+    assert any(lane == 1 for _, lane in eng._step_graphs) == lanes, sorted(eng._step_graphs)
     assert {"1", "2", "5"} <= set(dropped), dropped
     for rid in map(str, range(len(ps))):
         if rid == "5":
@@ -206,7 +209,7 @@ def test_sampled_async_steps_equal_sync_steps(models, drafter):
         sync_step = eng._sync_step
         eng._sync_step = lambda plan, t0: sync_plans.append(plan) or sync_step(plan, t0)
         got = run(eng, [ps[i] for i in rows], [params[i] for i in rows])
-        assert eng.num_async_steps > 10 and graphs <= set(eng._step_graphs)
+        assert eng.num_async_steps > 10 and graphs <= {mode for mode, _ in eng._step_graphs}
         # Every decode step ran async, the cut-short last blocks too.
         assert all(p.prefill and not p.decode for p in sync_plans), [len(p.decode) for p in sync_plans]
         for rid in map(str, range(len(rows))):
@@ -331,5 +334,5 @@ def test_chains_start_at_the_prefill(models, drafter):
     eng.step()
     r = eng.requests["m"]
     if drafter:
-        row = eng._step_buffers["history"][r.history_slot, : r.num_tokens].tolist()
-        assert eng._inflight is not None and row == r.all_token_ids
+        row = eng._step_buffers[0]["history"][r.history_slot, : r.num_tokens].tolist()
+        assert eng._inflight and row == r.all_token_ids
