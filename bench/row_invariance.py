@@ -11,7 +11,7 @@ and names the first op that differs.
 
     python bench/row_invariance.py --target DIR --out rows.json   # on a GPU, bf16
 
-(results/README.md, "Verify rows bit for bit decode rows": 3 534 of 3 840
+(results/archive/verify_rows/README.md: 3 534 of 3 840
 positions differed with 16-row blocks before the attention kernel took
 decode-shaped tiles for verify launches, none after.)
 """

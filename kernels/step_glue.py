@@ -8,7 +8,7 @@ last token and emit budget on. Written with PyTorch ops that is a few
 dozen elementwise kernels of ~1 us each (plus the gaps between them), at
 batch 1 a good part of what a speculative step adds to an autoregressive
 one; on the GPU each side is one kernel (H200, batch 1: speculative step
-1.20 -> 1.13 ms, autoregressive 0.95 -> 0.92 ms, results/README.md).
+1.20 -> 1.13 ms, autoregressive 0.95 -> 0.92 ms, results/archive/step_kernels/README.md, "Step glue").
 """
 
 from __future__ import annotations
