@@ -29,6 +29,8 @@ block's rows by a broadcast inside rank 0's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specray.actors.graphs import DecodeGraphs
@@ -50,7 +52,7 @@ from specray.sampling import verify
 
 def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greedy",
                       shared: dict[str, torch.Tensor] | None = None, tree: TreeUniverse | None = None,
-                      remote=None, tp=None) -> DecodeGraphs:
+                      remote=None, tp=None, speculate: bool = True) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (rank 0's
     TargetWorker) and ``drafter`` (a DrafterWorker in this process, or None:
     autoregressive, or the drafter is ``remote``). Inputs: ``start`` and
@@ -80,15 +82,23 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
 
     ``remote``: the channel to a drafter in another process, which replays
     its half (step_peers.py) from the same inputs. ``tp``: a ``TPLink`` to
-    the followers of a target at TP > 1."""
-    dev, B = target.device, cfg.block_size
+    the followers of a target at TP > 1.
+
+    ``speculate=False`` (a local drafter): an autoregressive step of a
+    speculative engine (spec_policy.py): one row a request, no proposal, and
+    the row's context stored, so the next speculative step finds it."""
+    dev = target.device
     local = drafter is not None
     speculative = local or remote is not None
+    if not speculate:
+        assert remote is None, "autoregressive steps of a separate drafter are not built"
+        cfg = dataclasses.replace(cfg, block_size=1)
+    B = cfg.block_size
     bufs = state_buffers(cfg, dev, sampling, draft_tables=local, history=local and cfg.lookup is not None,
                          shared=shared)
     query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)
     taps = target.tap_layer_ids if speculative else ()
-    use_tree = tree is not None and speculative and sampling == "greedy"
+    use_tree = tree is not None and speculative and speculate and sampling == "greedy"
 
     def step(n: int):
         start, last, real, budget = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n], bufs["budget"][:n]
@@ -99,7 +109,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         # attends both ways).
         blk = block_inputs(start, last, budget, tables, d_tables, B, cfg.kv_block_size, cfg.mask_token_id)
         st = sampling_tensors(bufs, sampling, n, start, B)
-        if local:
+        if local and speculate:
             drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None)
         elif remote is not None:
             got = drafted_buffers(n, B, use_tree, sampling != "greedy", cfg.draft_top_k, dev)

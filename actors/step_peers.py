@@ -40,16 +40,17 @@ UPLOADS = ("start", "last", "real", "budget", "target_tables", "draft_tables", "
 FIRST, CHAINED, FLUSH = 0, 1, 2
 
 
-def encode_control(n: int, mode: str, tree: bool, kind: int, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def encode_control(n: int, mode: str, tree: bool, kind: int, inputs: dict[str, torch.Tensor],
+                   spec: bool = True) -> list[torch.Tensor]:
     present = [name for name in UPLOADS if name in inputs]
-    meta = torch.tensor([n, MODES.index(mode), int(tree), kind] + [UPLOADS.index(k) for k in present])
+    meta = torch.tensor([n, MODES.index(mode), int(tree), kind, int(spec)] + [UPLOADS.index(k) for k in present])
     return [meta] + [inputs[k].cpu() for k in present]
 
 
-def decode_control(ts: list[torch.Tensor]) -> tuple[int, str, bool, int, dict[str, torch.Tensor]]:
+def decode_control(ts: list[torch.Tensor]) -> tuple[int, str, bool, int, bool, dict[str, torch.Tensor]]:
     meta = ts[0].tolist()
-    n, mode, tree, kind = meta[:4]
-    return n, MODES[mode], bool(tree), kind, {UPLOADS[i]: t for i, t in zip(meta[4:], ts[1:])}
+    n, mode, tree, kind, spec = meta[:5]
+    return n, MODES[mode], bool(tree), kind, bool(spec), {UPLOADS[i]: t for i, t in zip(meta[5:], ts[1:])}
 
 
 class TPLink:
@@ -71,11 +72,13 @@ class TPLink:
         return t
 
 
-def build_follower_graphs(target, cfg: StepSettings, tree: bool, link: TPLink, shared: dict) -> DecodeGraphs:
+def build_follower_graphs(target, cfg: StepSettings, tree: bool, link: TPLink, shared: dict,
+                          rows: int | None = None) -> DecodeGraphs:
     """A TP follower's replay of rank 0's step: its shard of the verify
-    forward (and a draft tree's K/V moves). Its one input is the block
-    tables, uploaded when they change."""
-    dev, B = target.device, cfg.block_size
+    forward (and a draft tree's K/V moves), ``rows`` a request (the block,
+    or 1 for an autoregressive step). Its one input is the block tables,
+    uploaded when they change."""
+    dev, B = target.device, rows or cfg.block_size
     bufs = {"target_tables": shared.setdefault(
         "target_tables", torch.zeros(cfg.max_seqs, cfg.width, dtype=torch.int32, device=dev))}
     query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)

@@ -154,7 +154,7 @@ class RemoteDrafter:
         """What rank 0's step graph exchanges the proposal and the results over."""
         return self.channel
 
-    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict) -> None:
+    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict, spec: bool = True) -> None:
         """Before rank 0 replays a step graph: the drafter replays its half.
         A step that does not continue the last one's rows first has the
         drafter take that one's results."""
@@ -241,7 +241,8 @@ class DrafterActor:
                 self.channel.send(CMD_DRAFTS, pack_draft_output(out))
                 self.num_steps += 1
             elif cmd == CMD_ASYNC:
-                self._async_step(*decode_control(ts))
+                n, mode, tree, kind, _, inputs = decode_control(ts)
+                self._async_step(n, mode, tree, kind, inputs)
 
     @torch.inference_mode()
     def _async_step(self, n: int, mode: str, tree: bool, kind: int, inputs: dict) -> None:
@@ -282,10 +283,10 @@ class TPDriver:
         """What rank 0's step graph broadcasts the verify block over."""
         return TPLink(self.group) if self.followers else None
 
-    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict) -> None:
+    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict, spec: bool = True) -> None:
         if self.followers:
             tables = {k: v for k, v in inputs.items() if k == "target_tables"}
-            broadcast_message(CMD_ASYNC, encode_control(n, mode, tree, CHAINED if chained else FIRST, tables),
+            broadcast_message(CMD_ASYNC, encode_control(n, mode, tree, CHAINED if chained else FIRST, tables, spec),
                               self.group, "cpu")
 
     def execute(self, batch: TargetBatch):
@@ -375,11 +376,13 @@ class TargetRank:
                 self.worker.move_kv(*ts[0])
                 continue
             if cmd == CMD_ASYNC:
-                n, _, tree, _, inputs = decode_control(ts)
-                if tree not in graphs:
-                    graphs[tree] = build_follower_graphs(self.worker, settings, tree, TPLink(self.tp_group), shared)
+                n, _, tree, _, spec, inputs = decode_control(ts)
+                key = (tree, spec)
+                if key not in graphs:
+                    graphs[key] = build_follower_graphs(self.worker, settings, tree, TPLink(self.tp_group), shared,
+                                                        rows=None if spec else 1)
                 with torch.inference_mode():
-                    graphs[tree].run(n, inputs)
+                    graphs[key].run(n, inputs)
             else:
                 self.worker.execute(unpack_target_batch(ts))
             steps += 1

@@ -29,6 +29,7 @@ two blocks, no room to reserve).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,15 @@ class InflightStep:
     results: torch.Tensor  # [S, B + 2] int64 on the host: accepted, bonus, drafted by lookup, drafts
     ready: torch.cuda.Event | None  # recorded after the copy into ``results``
     lane: int = 0  # the micro-batch it belongs to (its graphs, state and stream)
+    timing: tuple | float | None = None  # CUDA events around the replay, or its host seconds off CUDA
+    spec: bool = True  # verified the drafter's blocks (else an autoregressive step: spec_policy.py)
+    padded: int = 0  # the batch size its graph ran at
+    mode: str = "greedy"
+
+    def gpu_seconds(self) -> float:
+        if isinstance(self.timing, tuple):
+            return self.timing[0].elapsed_time(self.timing[1]) / 1000
+        return self.timing or 0.0
 
     def read(self) -> list[tuple[int, int, bool, list[int]]]:
         """Per row: (num_accepted, bonus, drafted by lookup, drafts)."""
@@ -162,7 +172,7 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
 
 
 def launch_decode(core, requests: list[Request], chained: bool,
-                  first_tokens: torch.Tensor | None = None, lane: int = 0) -> InflightStep:
+                  first_tokens: torch.Tensor | None = None, lane: int = 0, spec: bool = True) -> InflightStep:
     """Enqueue one step graph replay (actors/step_graph.py) for
     ``requests``: a first step loads each row's start and last token from
     the host (or, with ``first_tokens`` ``[S]`` on the device, opens each
@@ -171,16 +181,17 @@ def launch_decode(core, requests: list[Request], chained: bool,
     each row's block (``start + B``, or its cut-short end: the rows past
     that end write K/V nothing reads, into the row's last block or the
     reserved block 0). ``lane``: the micro-batch, whose graphs replay on
-    its own CUDA stream (``EngineCore.lane_stream``)."""
+    its own CUDA stream (``EngineCore.lane_stream``). ``spec=False``: an
+    autoregressive step (one row a request; the drafter stores its context)."""
     with core.lane_stream(lane):
-        return _launch(core, requests, chained, first_tokens, lane)
+        return _launch(core, requests, chained, first_tokens, lane, spec)
 
 
-def _launch(core, requests, chained, first_tokens, lane) -> InflightStep:
+def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
     params = [r.params for r in requests]
     vocab = core.target_spec.vocab_size
     mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
-    graphs = core.step_graphs(mode, lane)
+    graphs = core.step_graphs(mode, lane, spec)
     dev = core.device
     inputs, uploads = {}, None
     after_prefill = first_tokens is not None
@@ -215,7 +226,7 @@ def _launch(core, requests, chained, first_tokens, lane) -> InflightStep:
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
         inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
         uploads = None
-    core.announce_step(len(requests), mode, chained, inputs)
+    core.announce_step(len(requests), mode, chained, inputs, spec)
     inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}
     if uploads is not None:
         rows, cols, tokens = host_to_device(uploads, dev)
@@ -224,13 +235,27 @@ def _launch(core, requests, chained, first_tokens, lane) -> InflightStep:
         if after_prefill:  # the first tokens, after the prompts the rows hold now
             rows, cols = host_to_device(torch.stack([inputs["slot"], inputs["start"]]), dev)
             history.index_put_((rows, cols), first_tokens.to(history.dtype))
+    timed = core.config.profile_steps or core.policy is not None
+    timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+        if timed and dev.type == "cuda" else None
+    if timing:
+        timing[0].record()
+    # A first replay at this size also captures its graph: not a step's time.
+    fresh = graphs.use_graphs and graphs.padded(len(requests)) not in graphs.graphs
+    t = time.perf_counter()
     (out,) = graphs.run(len(requests), inputs)
+    if timing:
+        timing[1].record()
+    elif timed:  # off CUDA the replay runs as it is called
+        timing = time.perf_counter() - t
+    if fresh:
+        timing = None
     out = out[: len(requests)]
     if dev.type == "cuda":
         results, ready = core.result_buffers.fetch(out)
     else:
         results, ready = out.clone(), None
-    return InflightStep(list(requests), results, ready, lane)
+    return InflightStep(list(requests), results, ready, lane, timing, spec, graphs.padded(len(requests)), mode)
 
 
 class AsyncSteps:
@@ -267,13 +292,14 @@ class AsyncSteps:
         return not (self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and
                     not all(r.params.greedy for r in requests))
 
-    def step_graphs(self, sampling: str, lane: int = 0):
+    def step_graphs(self, sampling: str, lane: int = 0, spec: bool = True):
         """Rank 0's whole-step graphs, for batches whose ``sampling`` is
         "greedy", "sampled" or "filtered" (a drafter or TP followers in other
         processes replay their halves: actors/step_peers.py), of micro-batch
         ``lane``: each lane has its state, its graphs and their memory; the
-        token history is one (its rows are the requests')."""
-        key = (sampling, lane)
+        token history is one (its rows are the requests'). ``spec=False``:
+        the autoregressive steps of a speculative engine."""
+        key = (sampling, lane) if spec else (sampling, lane, "ar")
         if key not in self._step_graphs:
             from specray.actors.step_graph import build_step_graphs
             from specray.actors.step_parts import StepSettings
@@ -289,6 +315,7 @@ class AsyncSteps:
                 target, local, settings, sampling=sampling, shared=shared,
                 tree=self.tree if sampling == "greedy" else None,
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
+                speculate=spec,
             )
         return self._step_graphs[key]
 
@@ -329,7 +356,29 @@ class AsyncSteps:
         if len(parts) > 1 and self.device.type == "cuda":
             self.lane_stream(1)  # created on first use
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return [launch_decode(self, part, chained=False, lane=i) for i, part in enumerate(parts)]
+        spec = self.speculate(parts[0])
+        return [launch_decode(self, part, chained=False, lane=i, spec=spec) for i, part in enumerate(parts)]
+
+    def speculate(self, requests: list[Request]) -> bool:
+        """Whether the next step of these rows verifies drafts (spec_policy.py)."""
+        if self.policy is None:
+            return True
+        from specray.actors.graphs import capture_sizes
+
+        padded = next(s for s in capture_sizes(self.config.max_num_seqs) if s >= len(requests))
+        kind = "greedy" if all(r.params.greedy for r in requests) else "sampled"
+        return self.policy.choose(padded, kind)
+
+    def _adaptive_unsupported(self) -> str | None:
+        if self.drafter is None:
+            return "no drafter"
+        if self.config.adaptive_speculation is False:
+            return "turned off (adaptive_speculation=False)"
+        if self._async_unsupported() is not None:
+            return "needs async_scheduling"
+        if not getattr(self.drafter, "local_model", False):
+            return "needs the drafter in rank 0's process (its autoregressive steps store the drafter's context)"
+        return None
 
     def _join_lanes(self) -> None:
         """What the side lane wrote (K/V, context) comes before anything the
@@ -337,13 +386,13 @@ class AsyncSteps:
         if self._side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
 
-    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict) -> None:
+    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict, spec: bool = True) -> None:
         """The host message that has the drafter and the TP followers in
         other processes replay their halves of the step about to launch."""
-        tree = self.tree is not None and mode == "greedy"
+        tree = self.tree is not None and mode == "greedy" and spec
         for w in (self.target, self.drafter):
             if hasattr(w, "async_step"):
-                w.async_step(n, mode, tree, chained, inputs)
+                w.async_step(n, mode, tree, chained, inputs, spec)
 
     def _can_chain(self, requests: list[Request]) -> bool:
         """Whether the steps after those in flight for ``requests`` may be
@@ -369,12 +418,16 @@ class AsyncSteps:
         its blocks stay reserved; rows of requests that finished meanwhile
         are dropped."""
         outputs = []
-        for r, (a, bonus, looked_up, drafts) in zip(step.requests, step.read()):
+        rows = step.read()
+        if self.policy is not None:
+            self.policy.observe(step.padded, step.spec, step.gpu_seconds(), step.mode,
+                                sum(row[0] + 1 for row in rows) / len(rows) if step.spec and self.drafter else None)
+        for r, (a, bonus, looked_up, drafts) in zip(step.requests, rows):
             if r.finished:
                 continue
             # The block the graph verified, cut as the scheduler cuts it from
             # the host's view when the step was launched (it is now).
-            num_drafts = self.scheduler.block_len(r) - 1
+            num_drafts = self.scheduler.block_len(r) - 1 if step.spec else 0
             r.metrics.num_lookup_steps += looked_up
             outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
         return self._forget_finished(outputs)

@@ -356,6 +356,10 @@ class EngineConfig:
     # one process and no sliding-window layers. None: on where possible.
     draft_tree: bool | None = None
     seed: int = 0
+    # Time each asynchronous step's replay on the device (two CUDA events a
+    # step): the engine stats then give the GPU time of those steps beside
+    # their wall time, whose difference is the control the host adds.
+    profile_steps: bool = False
     # Synchronize the device around model passes so that StepStats splits a
     # step into model time and control overhead (costs a little speed).
     sync_timing: bool = False
@@ -381,6 +385,11 @@ class EngineConfig:
     # on where it can run.
     overlap: bool | None = None
     overlap_min_batch: int = 16
+    # Load-adaptive speculation (spec_policy.py): each async step verifies
+    # the drafter's block or runs autoregressively, whichever the measured
+    # step times and acceptance say emits more tokens per second. None: on
+    # where async steps run with the drafter in rank 0's process.
+    adaptive_speculation: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -44,6 +44,7 @@ from specray.prompt_lookup import merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device
 from specray.scheduler import Scheduler
+from specray.spec_policy import SpecPolicy
 from specray.step_batch import StepBatches
 from specray.step_rows import VerifyRows
 from specray.sync_accept import SyncAccept
@@ -136,8 +137,11 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         self.result_buffers = ResultBuffers()  # pinned copies of steps' results
         self.uploaded_tables: list[list[list[int]]] = [[], []]  # what each lane's graphs' block tables hold
         self.num_async_steps = 0
+        # Wall time of the async steps, and (profile_steps) their replays' GPU time.
+        self.async_wall_s = self.async_gpu_s = 0.0
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
         self.tree = self._tree_universe()
+        self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
 
     # ----------------------------------------------------------- admission
     def add_request(
@@ -228,14 +232,18 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         prev = self._inflight
         everyone = [r for p in prev for r in p.requests]
         chained = self._can_chain(everyone)
-        self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane) for p in prev] if chained else []
+        spec = chained and self.speculate(everyone)
+        self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \
+            if chained else []
         if not chained:
             self._join_lanes()
         outputs = [o for p in prev for o in self._apply_inflight(p, chained=chained)]
+        self.async_gpu_s += sum(p.gpu_seconds() for p in prev)
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
         self.num_async_steps += 1
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
+        self.async_wall_s += self.last_step.total
         return outputs
 
     def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
@@ -348,6 +356,8 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
             reason = "turned off (draft_tree=False)" if self.config.draft_tree is False else \
                 tree_unsupported(self.block_size, self.target_spec.layer_window)
             out["draft_tree"] = feature(self.tree is not None, reason)
+        if self.drafter is not None:
+            out["adaptive_speculation"] = feature(self.policy is not None, self._adaptive_unsupported())
         out["overlap"] = feature(self._overlap_unsupported() is None, self._overlap_unsupported())
         if out["overlap"]["on"]:
             out["overlap"]["min_batch"] = self.config.overlap_min_batch

@@ -112,6 +112,8 @@ class EngineLoop:
         return {
             "num_steps": self.num_steps,
             "num_async_steps": self.engine.num_async_steps,
+            "async_wall_s": self.engine.async_wall_s,
+            "async_gpu_s": self.engine.async_gpu_s,
             "step_time_s": self.step_time_s,
             "model_time_s": self.model_time_s,
             "pools": pools,
@@ -119,6 +121,7 @@ class EngineLoop:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "features": self.features,
+            "speculation": self.engine.policy.snapshot() if self.engine.policy is not None else None,
         }
 
     def num_unfinished(self) -> int:

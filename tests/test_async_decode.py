@@ -285,9 +285,9 @@ def test_chains_while_a_waiting_request_does_not_fit(models, monkeypatch):
     chained_while_waiting = []
     launch = engine_module.launch_decode
 
-    def counting(core, requests, chained):
+    def counting(core, requests, chained, **kw):
         chained_while_waiting.append(chained and bool(core.scheduler.waiting))
-        return launch(core, requests, chained)
+        return launch(core, requests, chained, **kw)
 
     monkeypatch.setattr(engine_module, "launch_decode", counting)
     got = run(eng, ps, params, joins={2: 10})

@@ -24,12 +24,14 @@ def ckpt(tmp_path_factory):
 
 
 def generate(root, drafter, device, dtype, params, **kw):
+    kw.setdefault("async_scheduling", False)  # the synchronous steps, unless a test asks
     llm = LLM(root / "t", root / "d" if drafter else None, device=device, dtype=dtype, num_kv_blocks=512,
               max_model_len=512, **kw)
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
 def acceptance(root, device, params, **kw):
+    kw.setdefault("async_scheduling", False)
     llm = LLM(root / "t", root / "d", device=device, dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
     return [o.metrics.acceptance_lengths for o in llm.generate(PROMPTS, params)]
 
@@ -103,6 +105,21 @@ def test_gpu_async_steps_match_cpu(ckpt, drafter):
     if drafter:
         cpu = acceptance(ckpt, "cpu", greedy, **kw)
         assert [o.metrics.acceptance_lengths for o in gpu] == cpu
+
+
+@pytest.mark.parametrize("sampled_", [False, True], ids=["greedy", "sampled"])
+def test_gpu_overlapped_lanes_match_cpu(ckpt, sampled_):
+    """Two micro-batch lanes, each a chain of step graphs on its own CUDA
+    stream, run concurrently on the GPU: the CPU's tokens and acceptance
+    lengths, as one chain gives them."""
+    params = sampled(48, top_p=True) if sampled_ else SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    kw = dict(cuda_graphs=True, async_scheduling=True, overlap=True, overlap_min_batch=2)
+    llm = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
+    gpu = llm.generate(PROMPTS, params)
+    assert any(lane == 1 for _, lane in llm.engine._step_graphs)
+    assert [o.token_ids for o in gpu] == generate(ckpt, True, "cpu", "float32", params)
+    assert [o.metrics.acceptance_lengths for o in gpu] == acceptance(ckpt, "cpu", params, cuda_graphs=True,
+                                                                     async_scheduling=True)
 
 
 @pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
@@ -235,3 +252,24 @@ def test_gpu_penalties_match_cpu(ckpt, async_):
     for drafter in (True, False):
         assert generate(ckpt, drafter, "cuda", "float32", params, cuda_graphs=True,
                         async_scheduling=async_) == want, drafter
+
+
+def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
+    """The Ray backend's rank-0 actor with the drafter inside it (what
+    ``specray serve --device cuda`` runs by default): async step graphs,
+    draft trees and lanes as in process, and the in-process tokens."""
+    pytest.importorskip("ray")
+    from specray.placement import ensure_ray
+
+    ensure_ray()
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, overlap_min_batch=2)
+    want = [o.token_ids for o in LLM(ckpt / "t", ckpt / "d", **kw).generate(PROMPTS, greedy)]
+    llm = LLM(ckpt / "t", ckpt / "d", backend="ray", **kw)
+    try:
+        stats = llm.stats()
+        assert all(stats["features"][f]["on"] for f in ("cuda_graphs", "async_scheduling", "overlap")), stats
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
+        assert llm.stats()["num_async_steps"] > 10
+    finally:
+        llm.shutdown()

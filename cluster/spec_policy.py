@@ -1,0 +1,81 @@
+"""Load-adaptive speculation: each asynchronous step either verifies the
+drafter's block (B rows a request) or is a plain autoregressive step (one
+row; the drafter only stores the row's context, so speculation can resume),
+whichever emits more tokens per second at this batch size.
+
+Speculating pays where ``E[tokens a row emits per step] / T_spec(n)`` beats
+``1 / T_ar(n)``: at batch 1 a step costs about the same either way and the
+block emits ~3 tokens; at large batches a B-row verify reads the same
+weights but computes B times the rows, and a sampled row accepts little.
+Both sides are measured, not assumed:
+
+* ``T_spec(n)``, ``T_ar(n)``: the device time of the step graphs' replays at
+  each padded batch size (CUDA events around the replay; the host's wall
+  time off CUDA), an exponentially weighted mean, each measured on first
+  use by running that kind of step;
+* the tokens a speculative step emits per row, an exponentially weighted
+  mean over the engine's recent speculative steps, kept apart for greedy
+  and sampled batches (their acceptance differs by half). While steps are
+  autoregressive a speculative probe every ``PROBE_EVERY`` steps keeps it
+  current.
+
+Exactness does not depend on the choice: every step, of either kind, emits
+the target's tokens (greedy) or its distribution (sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.2  # weight of a new measurement in the moving means
+PROBE_EVERY = 16  # autoregressive steps between two speculative probes
+MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
+
+
+@dataclass
+class SpecPolicy:
+    block_size: int
+    cost: dict[tuple[int, bool], float] = field(default_factory=dict)  # (padded batch, speculative) -> seconds
+    emitted: dict[str, float] = field(default_factory=dict)  # sampling kind -> tokens a row emits per spec step
+    since_probe: int = 0
+    choices: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+
+    def choose(self, n_padded: int, kind: str) -> bool:
+        """Whether the next step of a batch padded to ``n_padded`` rows of
+        sampling ``kind`` ("greedy" or else) speculates."""
+        spec = self._choose(n_padded, kind)
+        self.since_probe = 0 if spec else self.since_probe + 1
+        self.choices[spec] += 1
+        return spec
+
+    def _choose(self, n: int, kind: str) -> bool:
+        t_spec, t_ar = self.cost.get((n, True)), self.cost.get((n, False))
+        if t_spec is None:
+            return True
+        if t_ar is None:
+            return False
+        if self.since_probe >= PROBE_EVERY:
+            return True
+        tokens = self.emitted.get(_kind(kind), 1.0 + 0.5 * (self.block_size - 1))
+        return tokens / t_spec > MARGIN / t_ar
+
+    def observe(self, n_padded: int, spec: bool, seconds: float, kind: str, tokens_per_row: float | None) -> None:
+        """A finished step: its device time, and (speculative) the tokens
+        its rows emitted on average."""
+        if seconds > 0:
+            key = (n_padded, spec)
+            old = self.cost.get(key)
+            self.cost[key] = seconds if old is None else (1 - ALPHA) * old + ALPHA * seconds
+        if spec and tokens_per_row is not None:
+            k = _kind(kind)
+            old = self.emitted.get(k)
+            self.emitted[k] = tokens_per_row if old is None else (1 - ALPHA) * old + ALPHA * tokens_per_row
+
+    def snapshot(self) -> dict:
+        return {"speculative_steps": self.choices[True], "autoregressive_steps": self.choices[False],
+                "tokens_per_speculative_row": dict(self.emitted),
+                "step_ms": {f"{n}{'s' if s else 'a'}": round(1000 * t, 4) for (n, s), t in sorted(self.cost.items())}}
+
+
+def _kind(kind: str) -> str:
+    return "greedy" if kind == "greedy" else "sampled"
