@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a started server to be ready")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one request, whole")
     t.add_argument("--chunk-timeout", type=float, default=120.0, help="seconds without a chunk before a request fails")
+    t.add_argument("--max-errors", type=int, default=3,
+                   help="failed requests after which a point stops sending (a timeout stops it at once, and the "
+                        "same engine's later points are not run)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="JSON path (default: results/serve_load_<device>.json)")
     o.add_argument("--plot", help="PNG path (default: the JSON's path with .png)")
@@ -75,7 +78,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     """Every flag checked before a model loads or a server starts."""
     if not Path(args.prompts).is_file():
         p.error(f"--prompts {args.prompts}: no such file (the default is relative to the repository root)")
-    for name in ("limit", "num_requests", "max_tokens", "max_num_seqs"):
+    for name in ("limit", "num_requests", "max_tokens", "max_num_seqs", "max_errors"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
@@ -177,21 +180,34 @@ class Sweep:
 
     async def run(self, path: str, drafter: bool, make_send) -> None:
         from specray.bench_serve_report import summarize
-        from specray.load_client import closed_loop
+        from specray.load_client import LoopResult, closed_loop
 
+        hung = None  # a timeout: this engine's remaining points are not sent
         for temp in self.args.temperatures:
             send = make_send(temp)
             for conc in self.args.concurrency:
-                if self.warm_n(conc):
-                    await closed_loop(send, cycle(self.jobs, self.warm_n(conc)), conc)
-                results, wall = await closed_loop(send, self.jobs, conc)
-                p = summarize(path, drafter, temp, conc, results, wall, self.args.save_outputs)
+                if hung:
+                    run = LoopResult([], 0.0, len(self.jobs), f"not run: {hung}")
+                else:
+                    run = LoopResult([], 0.0)
+                    if self.warm_n(conc):
+                        warm = await closed_loop(send, cycle(self.jobs, self.warm_n(conc)), conc, self.args.max_errors)
+                        if warm.aborted:
+                            run = LoopResult([], 0.0, len(self.jobs), f"warm-up {warm.aborted}")
+                            hung = run.aborted if warm.timed_out else None
+                    if not run.aborted:
+                        run = await closed_loop(send, self.jobs, conc, self.args.max_errors)
+                        hung = run.aborted if run.timed_out else None
+                p = summarize(path, drafter, temp, conc, run.results, run.wall_s, self.args.save_outputs,
+                              run.skipped, run.aborted)
+                p.load_average_1m = round(os.getloadavg()[0], 2)
                 self.points.append(p)
-                self.outputs[p.key()] = {r.id: r.token_ids for r in results if r.error is None}
+                self.outputs[p.key()] = {r.id: r.token_ids for r in run.results if r.error is None}
                 print(f"  {path:<9} drafter {'on ' if drafter else 'off'} T={temp:g} c={conc}: "
                       f"{p.output_tok_s:.1f} tok/s, {p.request_throughput:.2f} req/s, TTFT p50 "
                       f"{p.ttft_p50_ms:.1f} ms, accept {p.mean_acceptance_length:.2f}, errors {p.errors}"
-                      + (f" ({p.error_samples[0]})" if p.error_samples else ""), flush=True)
+                      + (f" ({p.error_samples[0]})" if p.error_samples else "")
+                      + (f"; ABORTED: {p.aborted}" if p.aborted else ""), flush=True)
 
 
 async def run_http(sweep: Sweep, url: str, model: str | None, api_key: str | None, drafter: bool) -> None:
@@ -227,7 +243,8 @@ def machine_info(device: str) -> dict:
 
     info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "gpu": None,
-            # a shared machine's other work shows here (1, 5, 15-minute means at the end of the run)
+            # a shared machine's other work shows here (1, 5, 15-minute means at the end of the run;
+            # each point holds the 1-minute mean at its end)
             "load_average": [round(x, 2) for x in os.getloadavg()]}
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)  # read last: it opens a CUDA context in this process
@@ -275,9 +292,15 @@ def main(argv: list[str] | None = None) -> int:
             [("http", m, lambda d=d: _served(sweep, args, target, d)) for m, d in modes]
     if "inprocess" in args.paths:
         runs += [("inprocess", m, lambda d=d: _in_process(sweep, args, target, d)) for m, d in modes]
+    interrupted = False
     for path, mode, run in runs:
         try:
             engines.append(run())
+        except KeyboardInterrupt:  # what was measured is still written; everything started here is stopped
+            print("specray bench serve: interrupted", file=sys.stderr, flush=True)
+            failures.append({"path": path, "drafter": None if mode is None else mode == "on", "error": "interrupted"})
+            interrupted = True
+            break
         except Exception as e:  # one engine failing leaves the others' points to report
             what = f"{path}, drafter {mode}" if mode else path
             msg = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
@@ -309,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(sweep.points, rat))
     print(f"specray bench serve: wrote {out}" + (f" and {plot_path}" if sweep.points else "")
           + f" in {report['elapsed_s']:.0f} s", flush=True)
-    errors = sum(pt.errors for pt in sweep.points)
-    return 1 if failures or errors else 0
+    bad = failures or any(pt.errors or pt.aborted for pt in sweep.points)
+    return 130 if interrupted else 1 if bad else 0
 
 
 def _attached(sweep: Sweep, args) -> dict:

@@ -63,6 +63,9 @@ class Point:
     tokens_per_chunk: float
     mean_acceptance_length: float
     decode_steps: int
+    load_average_1m: float | None = None  # the machine's, at the point's end (a shared machine's noise)
+    skipped: int = 0  # requests never sent: the point gave up (see aborted)
+    aborted: str | None = None
     error_samples: list[str] = field(default_factory=list)
     requests: list[dict] | None = None  # per request, with --save-outputs
 
@@ -77,7 +80,7 @@ class Point:
 
 
 def summarize(path: str, drafter: bool, temperature: float, concurrency: int, results: list[RequestResult],
-              wall_s: float, save_outputs: bool = False) -> Point:
+              wall_s: float, save_outputs: bool = False, skipped: int = 0, aborted: str | None = None) -> Point:
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itl_per_token()]
@@ -103,7 +106,7 @@ def summarize(path: str, drafter: bool, temperature: float, concurrency: int, re
         latency_p50_ms=_ms(percentile(lats, 50)), latency_p99_ms=_ms(percentile(lats, 99)),
         tokens_per_chunk=round(sum(len(r.token_ids) for r in ok) / chunks, 4) if chunks else 0.0,
         mean_acceptance_length=round(sum(steps) / len(steps), 4) if steps else 0.0,
-        decode_steps=len(steps),
+        decode_steps=len(steps), skipped=skipped, aborted=aborted,
         error_samples=list(dict.fromkeys(r.error for r in results if r.error))[:5],
     )
     if save_outputs:
@@ -122,7 +125,7 @@ def ratios(points: list[Point], outputs: dict[tuple, dict[str, list[int]]]) -> d
     """``http_over_inprocess`` per (drafter, temperature, concurrency), with
     how many requests got the same tokens on both paths; ``spec_over_ar``
     per (path, temperature, concurrency)."""
-    by = {p.key(): p for p in points}
+    by = {p.key(): p for p in points if not p.aborted}
     http_in, spec_ar = [], []
     for (path, drafter, temp, conc), p in sorted(by.items()):
         if path == "http" and ("inprocess", drafter, temp, conc) in by:
@@ -147,7 +150,8 @@ def table(points: list[Point], rat: dict) -> str:
         lines.append(f"{p.path:<9} {'on' if p.drafter else 'off':<7} {p.temperature:>4g} {p.concurrency:>4} "
                      f"{p.request_throughput:>7.2f} {p.output_tok_s:>9.1f} {_f(p.ttft_p50_ms)} {_f(p.ttft_p99_ms)} "
                      f"{_f(p.itl_p50_ms)} {_f(p.itl_p99_ms)} {_f(p.chunk_gap_p50_ms)} "
-                     f"{p.mean_acceptance_length:>6.2f} {p.num_requests:>4} {p.errors:>3}")
+                     f"{p.mean_acceptance_length:>6.2f} {p.num_requests:>4} {p.errors:>3}"
+                     + ("  ABORTED" if p.aborted else ""))
     for r in rat["http_over_inprocess"]:
         lines.append(f"http / inprocess  drafter {'on ' if r['drafter'] else 'off'} T={r['temperature']:g} "
                      f"c={r['concurrency']}: {_x(r['output_tok_s'])}  (same tokens {r['identical_outputs']}/"

@@ -38,6 +38,7 @@ class RequestResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    timed_out: bool = False  # the engine stopped answering: no use sending more
 
     def tokens(self, token_ids: list[int], text: str) -> None:
         if token_ids:
@@ -75,20 +76,40 @@ class RequestResult:
 Send = Callable[[Job], Awaitable[RequestResult]]
 
 
-async def closed_loop(send: Send, jobs: Iterable[Job], concurrency: int) -> tuple[list[RequestResult], float]:
-    """Run every job with ``concurrency`` clients; returns the results (in
-    completion order) and the wall seconds from the first send to the last
-    completion."""
+@dataclass
+class LoopResult:
+    results: list[RequestResult]  # in completion order
+    wall_s: float  # from the first send to the last completion
+    skipped: int = 0  # jobs never sent: the loop gave up
+    aborted: str | None = None  # why it gave up
+
+    @property
+    def timed_out(self) -> bool:
+        return any(r.timed_out for r in self.results)
+
+
+async def closed_loop(send: Send, jobs: Iterable[Job], concurrency: int, max_errors: int | None = None) -> LoopResult:
+    """Run the jobs with ``concurrency`` clients. Sending stops at the first
+    timeout or the ``max_errors``-th failure: a broken engine then costs
+    one timeout, not one per remaining request."""
+    jobs = list(jobs)
     pending = iter(jobs)
     results: list[RequestResult] = []
+    stop: list[str] = []
 
     async def client():
         for job in pending:  # a shared iterator: next() never awaits, so no job is taken twice
-            results.append(await send(job))
+            r = await send(job)
+            results.append(r)
+            failed = [x for x in results if x.error]
+            if r.timed_out or (max_errors is not None and len(failed) >= max_errors):
+                stop.append(f"gave up after {len(failed)} failed request(s), the last: {r.error or failed[-1].error}")
+            if stop:
+                return
 
     t = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results, time.perf_counter() - t
+    return LoopResult(results, time.perf_counter() - t, len(jobs) - len(results), stop[0] if stop else None)
 
 
 @dataclass
@@ -150,6 +171,7 @@ async def http_request(session, target: HttpTarget, job: Job) -> RequestResult:
                 r.error = "the stream ended without [DONE]"
     except asyncio.TimeoutError:
         r.error = f"timed out (request {target.request_timeout_s:g} s, between chunks {target.chunk_timeout_s:g} s)"
+        r.timed_out = True
     except Exception as e:  # connection refused / reset, bad JSON: a failed request, not a crashed run
         r.error = f"{type(e).__name__}: {e}"
     r.end = time.perf_counter()
@@ -199,6 +221,7 @@ async def inprocess_request(engine, params, job: Job, request_timeout_s: float =
                 break
     except asyncio.TimeoutError:
         r.error = f"timed out (request {request_timeout_s:g} s, between outputs {chunk_timeout_s:g} s)"
+        r.timed_out = True
     except Exception as e:
         r.error = f"{type(e).__name__}: {e}"
     finally:

@@ -79,8 +79,7 @@ def _sse_app(stalls: bool = False):
     return app
 
 
-@pytest.mark.parametrize("stalls", [False, True])
-def test_http_client_reads_a_stream_and_fails_cleanly(stalls):
+def _serve_canned(stalls: bool, contents: list[str], concurrency: int, max_errors=None):
     import aiohttp
     from aiohttp import web
 
@@ -92,24 +91,51 @@ def test_http_client_reads_a_stream_and_fails_cleanly(stalls):
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         target = HttpTarget(f"http://127.0.0.1:{port}", "m", None, 4, 0.0, chunk_timeout_s=0.5)
-        jobs = [Job(f"j{i}", [{"role": "user", "content": "refuse" if i == 2 else "hi"}], None, None, i)
-                for i in range(3)]
+        jobs = [Job(f"j{i}", [{"role": "user", "content": c}], None, None, i) for i, c in enumerate(contents)]
         try:
             async with aiohttp.ClientSession() as session:
-                return await closed_loop(lambda j: http_request(session, target, j), jobs, 2)
+                return await closed_loop(lambda j: http_request(session, target, j), jobs, concurrency, max_errors)
         finally:
             await runner.cleanup()
 
-    results, wall = asyncio.run(go())
-    by = {r.id: r for r in results}
+    return asyncio.run(go())
+
+
+def test_http_client_reads_a_stream():
+    run = _serve_canned(False, ["hi", "hi", "refuse"], 2)
+    by = {r.id: r for r in run.results}
     assert by["j2"].error.startswith("HTTP 429") and "nope" in by["j2"].error
-    if stalls:
-        assert all("timed out" in by[j].error for j in ("j0", "j1"))
-        return
+    assert run.aborted is None and run.skipped == 0 and run.wall_s > 0
     r = by["j0"]
     assert r.error is None and r.text == "Hi there you" and r.token_ids == [5, 6, 7, 8]
     assert r.chunk_tokens == [1, 3] and r.output_tokens == 4 and r.acceptance_lengths == [3]
     assert r.finish_reason == "length" and r.ttft > 0 and len(r.itl_per_token()) == 3
+
+
+def test_a_point_gives_up_at_a_timeout_or_after_max_errors():
+    """A server that stops answering costs one chunk timeout, not one per
+    remaining request; failures that come back fast stop at --max-errors."""
+    run = _serve_canned(True, ["hi", "hi", "hi", "hi"], 2)
+    assert run.timed_out and run.skipped == 2 and "timed out" in run.aborted
+    assert all(r.timed_out and "timed out" in r.error for r in run.results)
+    run = _serve_canned(False, ["refuse"] * 5, 1, max_errors=2)
+    assert len(run.results) == 2 and run.skipped == 3 and "HTTP 429" in run.aborted and not run.timed_out
+
+
+def test_a_hung_engines_later_points_are_not_run():
+    from specray.bench_serve import Sweep, build_parser
+
+    args = build_parser().parse_args(["--concurrency", "1", "2", "--temperatures", "0", "1",
+                                      "--warmup-requests", "0"])
+    sweep = Sweep(args, [Job(f"j{i}", [], None, None, i) for i in range(3)])
+
+    async def hangs(job):
+        return RequestResult(job.id, start=0.0, end=1.0, error="timed out", timed_out=True)
+
+    asyncio.run(sweep.run("http", True, lambda temp: hangs))
+    first, *rest = sweep.points
+    assert (first.num_requests, first.errors, first.skipped) == (1, 1, 2) and "timed out" in first.aborted
+    assert len(rest) == 3 and all(p.aborted.startswith("not run") and p.skipped == 3 for p in rest)
 
 
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
