@@ -81,7 +81,13 @@ def summarize(spec_outs, ar_outs, spec_s, ar_s, block_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray bench", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the serving benchmark: HTTP load against `specray serve`
+        from specray.bench_serve import main as bench_serve
+
+        return bench_serve(argv[1:])
+    p = argparse.ArgumentParser(prog="specray bench", description=__doc__,
+                                epilog="`specray bench serve --help`: the serving benchmark (HTTP load)")
     add_model_args(p)
     p.add_argument("--prompts", default="data/prompts/eval.jsonl")
     p.add_argument("--limit", type=int)

@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, help_ in (
         ("serve", "specray.serve.cli", "run the OpenAI-compatible HTTP + gRPC server on Ray Serve"),
         ("batch", "specray.batch", "batch generation over JSONL / Parquet (also a `ray job submit` entry point)"),
-        ("bench", "specray.bench", "speculative vs autoregressive throughput on the evaluation set"),
+        ("bench", "specray.bench", "speculative vs autoregressive throughput on the evaluation set "
+                                    "(`bench serve`: load on the HTTP server)"),
     ):
         # add_help=False: --help reaches the module's own parser.
         p = sub.add_parser(name, help=help_, add_help=False)
