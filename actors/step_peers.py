@@ -18,6 +18,8 @@ or ``CMD_FLUSH``; the rest of the step never leaves the devices.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -40,17 +42,30 @@ UPLOADS = ("start", "last", "real", "budget", "target_tables", "draft_tables", "
 FIRST, CHAINED, FLUSH = 0, 1, 2
 
 
-def encode_control(n: int, mode: str, tree: bool, kind: int, inputs: dict[str, torch.Tensor],
-                   spec: bool = True) -> list[torch.Tensor]:
+@dataclass
+class StepWord:
+    """What a peer needs to replay its half of one step graph."""
+
+    n: int  # rows
+    mode: str  # sampling kind
+    tree: bool  # the block holds draft trees
+    kind: int  # FIRST, CHAINED or FLUSH
+    spec: bool = True  # a speculative step (else autoregressive: one row a request)
+    lane: int = 0  # the micro-batch: its own graphs and state on every side
+
+
+def encode_control(w: StepWord, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     present = [name for name in UPLOADS if name in inputs]
-    meta = torch.tensor([n, MODES.index(mode), int(tree), kind, int(spec)] + [UPLOADS.index(k) for k in present])
+    meta = torch.tensor([w.n, MODES.index(w.mode), int(w.tree), w.kind, int(w.spec), w.lane] +
+                        [UPLOADS.index(k) for k in present])
     return [meta] + [inputs[k].cpu() for k in present]
 
 
-def decode_control(ts: list[torch.Tensor]) -> tuple[int, str, bool, int, bool, dict[str, torch.Tensor]]:
+def decode_control(ts: list[torch.Tensor]) -> tuple[StepWord, dict[str, torch.Tensor]]:
     meta = ts[0].tolist()
-    n, mode, tree, kind, spec = meta[:5]
-    return n, MODES[mode], bool(tree), kind, bool(spec), {UPLOADS[i]: t for i, t in zip(meta[5:], ts[1:])}
+    n, mode, tree, kind, spec, lane = meta[:6]
+    word = StepWord(n, MODES[mode], bool(tree), kind, bool(spec), lane)
+    return word, {UPLOADS[i]: t for i, t in zip(meta[6:], ts[1:])}
 
 
 class TPLink:

@@ -133,9 +133,10 @@ class TorchP2PChannel:
 
     def send_raw(self, tensors: list[torch.Tensor]) -> None:
         """Asynchronous: two replays of step graphs may each send before the
-        peer receives (micro-batches), so a blocking send could wait on a
-        receive queued behind it. Earlier sends are completed first."""
-        self.wait_sends()
+        peer receives (micro-batches), and a gloo send completes only once
+        the peer receives it, so a blocking send could wait on a receive
+        queued behind it. The tensors of sends in flight are kept alive."""
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         for t in tensors:
             if t.numel():
                 t = _staged(t, self.device).clone()

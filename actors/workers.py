@@ -34,8 +34,8 @@ from specray.actors.transport import (
     recv_message,
 )
 from specray.actors.step_parts import StepSettings
-from specray.actors.step_peers import CHAINED, FIRST, FLUSH, TPLink, build_drafter_graphs, build_follower_graphs
-from specray.actors.step_peers import decode_control, encode_control
+from specray.actors.step_peers import FLUSH, StepWord, TPLink, build_drafter_graphs
+from specray.actors.step_peers import build_follower_graphs, decode_control, encode_control
 from specray.actors.messages import (
     CMD_ASYNC,
     CMD_CONTEXT,
@@ -147,27 +147,30 @@ class RemoteDrafter:
     def __init__(self, channel, device):
         self.channel, self.device = channel, device
         self.tree = None  # the drafter's process loads its own universe
-        self._pending: tuple | None = None  # the last step replayed there, whose results it has not taken
+        self._pending: dict[int, StepWord] = {}  # by lane: the last step replayed there, results not yet taken
 
     @property
     def step_link(self):
         """What rank 0's step graph exchanges the proposal and the results over."""
         return self.channel
 
-    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict, spec: bool = True) -> None:
-        """Before rank 0 replays a step graph: the drafter replays its half.
-        A step that does not continue the last one's rows first has the
-        drafter take that one's results."""
-        if not chained:
-            self._flush()
-        self.channel.control.send(CMD_ASYNC, encode_control(n, mode, tree, CHAINED if chained else FIRST, inputs))
-        self._pending = (n, mode, tree)
+    def async_step(self, word: StepWord, inputs: dict) -> None:
+        """Before rank 0 replays a step graph: the drafter replays its half
+        (which first takes the lane's previous step's results, if chained)."""
+        self.channel.control.send(CMD_ASYNC, encode_control(word, inputs))
+        self._pending[word.lane] = word
+
+    def begin_chain(self) -> None:
+        """Before a chain's first steps: the drafter takes the last steps'
+        results of every lane, in the order rank 0 sent them."""
+        self._flush()
 
     def _flush(self) -> None:
-        if self._pending is not None:
-            n, mode, tree = self._pending
-            self.channel.control.send(CMD_ASYNC, encode_control(n, mode, tree, FLUSH, {}))
-            self._pending = None
+        for lane in sorted(self._pending):
+            w = self._pending[lane]
+            self.channel.control.send(CMD_ASYNC, encode_control(StepWord(w.n, w.mode, w.tree, FLUSH, w.spec, lane),
+                                                                {}))
+        self._pending.clear()
 
     def propose(self, batch: DraftBatch) -> DraftOutput:
         self._flush()
@@ -241,25 +244,27 @@ class DrafterActor:
                 self.channel.send(CMD_DRAFTS, pack_draft_output(out))
                 self.num_steps += 1
             elif cmd == CMD_ASYNC:
-                n, mode, tree, kind, _, inputs = decode_control(ts)
-                self._async_step(n, mode, tree, kind, inputs)
+                self._async_step(*decode_control(ts))
 
     @torch.inference_mode()
-    def _async_step(self, n: int, mode: str, tree: bool, kind: int, inputs: dict) -> None:
-        key = (mode, tree, kind)
+    def _async_step(self, w: StepWord, inputs: dict) -> None:
+        key = (w.mode, w.tree, w.kind, w.lane)
         if key not in self._step_graphs:
             hidden_width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
+            shared = self._step_buffers.setdefault(w.lane, {})
+            if w.lane and "history" in self._step_buffers.get(0, {}):  # one token history for every lane
+                shared.setdefault("history", self._step_buffers[0]["history"])
             self._step_graphs[key] = build_drafter_graphs(
-                self.worker, self.step_settings, mode, self.worker.tree if tree else None, kind, self.channel,
-                hidden_width, self._step_buffers)
+                self.worker, self.step_settings, w.mode, self.worker.tree if w.tree else None, w.kind, self.channel,
+                hidden_width, shared)
         graphs = self._step_graphs[key]
         rows = [inputs.pop(k, None) for k in ("history_rows", "history_cols", "history_tokens")]
         if rows[0] is not None:
             dev = self.device
-            self._step_buffers["history"].index_put_((host_to_device(rows[0], dev), host_to_device(rows[1], dev)),
-                                                     host_to_device(rows[2], dev))
-        graphs.run(n, {k: v for k, v in inputs.items() if k in graphs.buffers})
-        self.num_steps += kind != FLUSH
+            graphs.buffers["history"].index_put_((host_to_device(rows[0], dev), host_to_device(rows[1], dev)),
+                                                 host_to_device(rows[2], dev))
+        graphs.run(w.n, {k: v for k, v in inputs.items() if k in graphs.buffers})
+        self.num_steps += w.kind != FLUSH
 
 
 # ------------------------------------------------------------- the target
@@ -283,11 +288,10 @@ class TPDriver:
         """What rank 0's step graph broadcasts the verify block over."""
         return TPLink(self.group) if self.followers else None
 
-    def async_step(self, n: int, mode: str, tree: bool, chained: bool, inputs: dict, spec: bool = True) -> None:
+    def async_step(self, word: StepWord, inputs: dict) -> None:
         if self.followers:
             tables = {k: v for k, v in inputs.items() if k == "target_tables"}
-            broadcast_message(CMD_ASYNC, encode_control(n, mode, tree, CHAINED if chained else FIRST, tables, spec),
-                              self.group, "cpu")
+            broadcast_message(CMD_ASYNC, encode_control(word, tables), self.group, "cpu")
 
     def execute(self, batch: TargetBatch):
         if self.followers:
@@ -376,13 +380,13 @@ class TargetRank:
                 self.worker.move_kv(*ts[0])
                 continue
             if cmd == CMD_ASYNC:
-                n, _, tree, _, spec, inputs = decode_control(ts)
-                key = (tree, spec)
+                w, inputs = decode_control(ts)
+                key = (w.tree, w.spec, w.lane)
                 if key not in graphs:
-                    graphs[key] = build_follower_graphs(self.worker, settings, tree, TPLink(self.tp_group), shared,
-                                                        rows=None if spec else 1)
+                    graphs[key] = build_follower_graphs(self.worker, settings, w.tree, TPLink(self.tp_group),
+                                                        shared.setdefault(w.lane, {}), rows=None if w.spec else 1)
                 with torch.inference_mode():
-                    graphs[key].run(n, inputs)
+                    graphs[key].run(w.n, inputs)
             else:
                 self.worker.execute(unpack_target_batch(ts))
             steps += 1

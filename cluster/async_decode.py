@@ -164,6 +164,7 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep |
             return None
     if not all(sched.reserve(r, r.num_tokens + B) for r in requests):
         return None  # what was reserved is trimmed when the prefill commits
+    core.begin_chain()
     if core.drafter is not None:  # the step's rows are the prompts' rows, in order
         positions = [i for p in plan.prefill for i in range(p.start, p.end)]
         slots = [s for p in plan.prefill for s in p.request.draft_blocks.slots(p.start, p.end)]
@@ -226,7 +227,7 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
         inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
         uploads = None
-    core.announce_step(len(requests), mode, chained, inputs, spec)
+    core.announce_step(len(requests), mode, chained, inputs, spec, lane)
     inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}
     if uploads is not None:
         rows, cols, tokens = host_to_device(uploads, dev)
@@ -327,8 +328,10 @@ class AsyncSteps:
             return "needs async_scheduling"
         if self.device.type != "cuda" and not self.config.overlap:
             return "CUDA only (two lanes run on two streams; overlap=True runs them in turn, to test them)"
-        if any(hasattr(w, "async_step") for w in (self.target, self.drafter)):
-            return "built for the target (TP 1) and the drafter in one process"
+        if self.device.type == "cuda" and self._peers():
+            # Each lane's exchanges would need NCCL communicators of its own
+            # (two streams issuing on one communicator can deadlock).
+            return "not built on GPUs for a drafter or TP followers in other processes"
         return None
 
     def lane_split(self, requests: list[Request]) -> list[list[Request]]:
@@ -353,6 +356,7 @@ class AsyncSteps:
         return torch.cuda.stream(self._side_stream)
 
     def _start_lanes(self, parts: list[list[Request]]) -> list[InflightStep]:
+        self.begin_chain()
         if len(parts) > 1 and self.device.type == "cuda":
             self.lane_stream(1)  # created on first use
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -386,13 +390,25 @@ class AsyncSteps:
         if self._side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
 
-    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict, spec: bool = True) -> None:
+    def announce_step(self, n: int, mode: str, chained: bool, inputs: dict, spec: bool = True,
+                      lane: int = 0) -> None:
         """The host message that has the drafter and the TP followers in
         other processes replay their halves of the step about to launch."""
-        tree = self.tree is not None and mode == "greedy" and spec
-        for w in (self.target, self.drafter):
-            if hasattr(w, "async_step"):
-                w.async_step(n, mode, tree, chained, inputs, spec)
+        from specray.actors.step_peers import CHAINED, FIRST, StepWord
+
+        word = StepWord(n, mode, self.tree is not None and mode == "greedy" and spec, CHAINED if chained else FIRST,
+                        spec, lane)
+        for w in self._peers():
+            w.async_step(word, inputs)
+
+    def _peers(self) -> list:
+        """The workers in other processes that replay halves of step graphs."""
+        return [w for w in (self.target, self.drafter) if hasattr(w, "async_step")]
+
+    def begin_chain(self) -> None:
+        for w in self._peers():
+            if hasattr(w, "begin_chain"):
+                w.begin_chain()
 
     def _can_chain(self, requests: list[Request]) -> bool:
         """Whether the steps after those in flight for ``requests`` may be

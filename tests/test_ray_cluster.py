@@ -80,20 +80,25 @@ def test_ray_matches_inprocess(cluster, tp, placement):
     assert stats["calls"]["submit"] == 2 * len(PROMPTS)
 
 
-@pytest.mark.parametrize("tp,placement", [(1, "separate"), (2, "separate"), (2, "colocated")])
-def test_async_step_graphs_in_every_placement(cluster, tp, placement):
+@pytest.mark.parametrize("tp,placement,lanes", [(1, "separate", False), (2, "separate", True),
+                                               (2, "colocated", False)])
+def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
     """Whole-step graphs (here their eager CPU path) with the drafter and the
     TP followers in other processes: each replays its half from one host
     message a step, and the tokens are the in-process synchronous engine's,
-    greedy (draft trees, prompt lookups) and seeded samples alike."""
+    greedy (draft trees, prompt lookups) and seeded samples alike. With
+    ``lanes`` the batch runs as two micro-batches (overlap): the drafter
+    proposes for one while rank 0 verifies the other."""
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True, top_p=0.9 if i % 2 else 1)
                for i, n in enumerate(MAX_TOKENS)]
     llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=tp, drafter_placement=placement,
-              num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8)
+              num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8,
+              overlap=lanes, overlap_min_batch=2)
     try:
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
+        assert features["overlap"]["on"] == lanes, features
         for params in (greedy, sampled):
             before = llm.stats()["num_async_steps"]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)

@@ -1,0 +1,84 @@
+"""Load-adaptive speculation (spec_policy.py): the choice follows measured
+costs and acceptance, and whatever it chooses the output stays the
+target's: greedy tokens equal autoregressive decoding, sampled steps of
+both kinds mixed keep the target's distribution."""
+
+import itertools
+
+import pytest
+
+from factories import make_models
+from joint_sampling import chi2_p, sampled_triples
+from specray import LLM, SamplingParams
+from specray.spec_policy import PROBE_EVERY, SpecPolicy
+
+PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]
+MAX_TOKENS = [30, 24, 17, 33, 20]
+
+
+def test_policy_measures_both_kinds_then_picks_the_faster():
+    p = SpecPolicy(block_size=16)
+    assert p.choose(8, "greedy")  # speculative cost unknown: measure it
+    p.observe(8, True, 0.004, "greedy", 1.5)
+    assert not p.choose(8, "greedy")  # autoregressive cost unknown
+    p.observe(8, False, 0.002, "greedy", None)
+    # 1.5 tokens in 4 ms against 1 token in 2 ms: autoregressive
+    assert not p.choose(8, "greedy")
+    # cheap verify, high acceptance: speculate
+    p.observe(1, True, 0.0011, "greedy", 3.1)
+    p.observe(1, False, 0.001, "greedy", None)
+    assert p.choose(1, "greedy")
+    # acceptance is kept per sampling kind: a sampled batch at batch 1 with
+    # low acceptance steps autoregressively
+    p.observe(1, True, 0.0011, "sampled", 1.02)
+    assert not p.choose(1, "sampled")
+
+
+def test_policy_probes_while_autoregressive():
+    p = SpecPolicy(block_size=16)
+    p.observe(4, True, 0.01, "greedy", 1.1)
+    p.observe(4, False, 0.001, "greedy", None)
+    picks = [p.choose(4, "greedy") for _ in range(3 * (PROBE_EVERY + 1))]
+    assert sum(picks) == 3 and not any(picks[:PROBE_EVERY])
+    # probes that find cheap steps and high acceptance turn speculation on
+    for _ in range(20):
+        p.observe(4, True, 0.001, "greedy", 8.0)
+    p.since_probe = 0
+    assert p.choose(4, "greedy")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("policy"))
+
+
+def adaptive(models, **kw):
+    return LLM(models / "t", models / "d", num_kv_blocks=300, kv_block_size=4, cuda_graphs=True,
+               async_scheduling=True, adaptive_speculation=True, max_num_seqs=8, **kw)
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_adaptive_greedy_is_autoregressive(models, lanes):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    want = [o.token_ids for o in LLM(models / "t", None).generate(PROMPTS, params)]
+    llm = adaptive(models, **(dict(overlap=True, overlap_min_batch=2) if lanes else {}))
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == want
+    snap = llm.engine.policy.snapshot()
+    # Both kinds of step ran (the policy measures each), and the step
+    # records say which: an autoregressive step verifies no draft.
+    assert snap["speculative_steps"] > 0 and snap["autoregressive_steps"] > 0, snap
+    assert sum(o.metrics.num_draft_tokens for o in got) < sum(len(o.token_ids) for o in got) * 7
+
+
+def test_adaptive_sampled_steps_keep_the_distribution(tmp_path, monkeypatch):
+    """Speculative and autoregressive steps alternating within requests (the
+    policy forced to flip every step): the token triples of 20k seeded
+    requests follow the target's joint distribution."""
+    flips = itertools.cycle([True, False])
+    monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(flips))
+    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], 20000, cuda_graphs=True, async_scheduling=True,
+                                         adaptive_speculation=True)
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.02 * len(outs)
+    assert chi2_p(cells, joint) > 1e-3
