@@ -192,7 +192,7 @@ def models(tmp_path_factory):
 
 def engine(root, **kw):
     base = dict(target=str(root / "t"), drafter=str(root / "d"), kv_block_size=4, num_kv_blocks=300,
-                max_model_len=96, max_num_seqs=8)
+                max_model_len=96, max_num_seqs=8, adaptive_speculation=False)
     return build_engine(EngineConfig(**(base | kw)))
 
 

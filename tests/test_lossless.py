@@ -142,7 +142,7 @@ def test_acceptance_lengths_equal_reference(tmp_path, vocab, seed, stop, static,
 
     # The reference drafts chains with the drafter only: so does this engine.
     llm = LLM(tmp_path / "t", tmp_path / "d", max_model_len=256, cuda_graphs=static, prompt_lookup_min=0,
-              draft_tree=False,
+              draft_tree=False, adaptive_speculation=False,
               async_scheduling=async_)
     out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop_token_ids=stop_ids))[0]
     assert out.token_ids == r.output_ids[0, len(prompt):].tolist()

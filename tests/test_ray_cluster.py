@@ -94,7 +94,7 @@ def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
                for i, n in enumerate(MAX_TOKENS)]
     llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=tp, drafter_placement=placement,
               num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8,
-              overlap=lanes, overlap_min_batch=2)
+              overlap=lanes, overlap_min_batch=2, adaptive_speculation=False)
     try:
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
@@ -253,7 +253,8 @@ def test_worker_killed_mid_generate_raises(cluster, victim):
     """A dead worker is an error from generate, not outputs cut short."""
     import threading
 
-    llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=2, num_kv_blocks=300, kv_block_size=4)
+    llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=2, num_kv_blocks=300, kv_block_size=4,
+              drafter_placement="separate")
     try:
         actors = llm._core.actors
         handle = actors.ranks[1] if victim == "follower" else actors.drafter
@@ -291,7 +292,7 @@ def test_worker_exception_surfaces_promptly_with_its_traceback(cluster, victim):
     (gloo's timeout is 30 minutes): generate raises that worker's error."""
     tp = 2 if victim == "follower" else 1
     llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=tp, num_kv_blocks=300,
-              kv_block_size=4)
+              kv_block_size=4, drafter_placement="separate")
     try:
         actors = llm._core.actors
         if victim == "follower":
