@@ -382,7 +382,8 @@ class EngineConfig:
     # overlap_min_batch requests runs as two lanes, each a chain of step
     # graphs on a CUDA stream of its own, so the GPU runs one lane's drafter
     # under the other's target (target and drafter in one process). None:
-    # on where it can run.
+    # off (see EngineCore._overlap_unsupported); True on CPU runs the lanes
+    # in turn, to test them.
     overlap: bool | None = None
     overlap_min_batch: int = 16
     # Load-adaptive speculation (spec_policy.py): each async step verifies

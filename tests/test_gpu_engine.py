@@ -96,7 +96,7 @@ def test_gpu_async_steps_match_cpu(ckpt, drafter):
     by step, its acceptance lengths (greedy, those of the prompt lookups:
     the sampled test below is the one that sees the drafter's context)."""
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    kw = dict(cuda_graphs=True, async_scheduling=True)
+    kw = dict(cuda_graphs=True, async_scheduling=True, adaptive_speculation=False)
     llm = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
               max_model_len=512, **kw)
     gpu = llm.generate(PROMPTS, greedy)
@@ -113,13 +113,13 @@ def test_gpu_overlapped_lanes_match_cpu(ckpt, sampled_):
     stream, run concurrently on the GPU: the CPU's tokens and acceptance
     lengths, as one chain gives them."""
     params = sampled(48, top_p=True) if sampled_ else SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    kw = dict(cuda_graphs=True, async_scheduling=True, overlap=True, overlap_min_batch=2)
+    kw = dict(cuda_graphs=True, async_scheduling=True, overlap=True, overlap_min_batch=2, adaptive_speculation=False)
     llm = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
     gpu = llm.generate(PROMPTS, params)
-    assert any(lane == 1 for _, lane in llm.engine._step_graphs)
+    assert any(key[1] == 1 for key in llm.engine._step_graphs)
     assert [o.token_ids for o in gpu] == generate(ckpt, True, "cpu", "float32", params)
     assert [o.metrics.acceptance_lengths for o in gpu] == acceptance(ckpt, "cpu", params, cuda_graphs=True,
-                                                                     async_scheduling=True)
+                                                                     async_scheduling=True, adaptive_speculation=False)
 
 
 @pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
@@ -128,7 +128,7 @@ def test_gpu_sampled_async_steps_match_cpu(ckpt, drafter):
     kernel) from starts the host never sees: the CPU's tokens, plain and
     top-p rows in one batch, and the CPU's acceptance lengths."""
     params = sampled(48, top_p=True)
-    kw = dict(cuda_graphs=True, async_scheduling=True)
+    kw = dict(cuda_graphs=True, async_scheduling=True, adaptive_speculation=False)
     llm = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
               max_model_len=512, **kw)
     gpu = llm.generate(PROMPTS, params)
@@ -257,18 +257,21 @@ def test_gpu_penalties_match_cpu(ckpt, async_):
 def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
     """The Ray backend's rank-0 actor with the drafter inside it (what
     ``specray serve --device cuda`` runs by default): async step graphs,
-    draft trees and lanes as in process, and the in-process tokens."""
+    draft trees and the adaptive policy as in process, and the in-process
+    tokens."""
     pytest.importorskip("ray")
     from specray.placement import ensure_ray
 
     ensure_ray()
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, overlap_min_batch=2)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512)
     want = [o.token_ids for o in LLM(ckpt / "t", ckpt / "d", **kw).generate(PROMPTS, greedy)]
     llm = LLM(ckpt / "t", ckpt / "d", backend="ray", **kw)
     try:
         stats = llm.stats()
-        assert all(stats["features"][f]["on"] for f in ("cuda_graphs", "async_scheduling", "overlap")), stats
+        features = stats["features"]
+        assert all(features[f]["on"] for f in ("cuda_graphs", "async_scheduling", "draft_tree",
+                                               "adaptive_speculation")), features
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
         assert llm.stats()["num_async_steps"] > 10
     finally:
