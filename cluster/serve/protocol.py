@@ -336,7 +336,9 @@ def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
-        req = model_cls.model_validate(body)
+        # Strict: JSON's types as the schema has them; lax pydantic read
+        # true as the token id 1, "5" as 5 and 1 as true.
+        req = model_cls.model_validate(body, strict=True)
     except ValidationError as e:
         raise from_validation_error(e) from None
     req.check()
