@@ -371,7 +371,7 @@ def fuzz(url: str, api_key: str | None, cases: int = 400, seed: int = 0, concurr
     needs_key = target.send("GET", "/v1/models", None, auth=False)[0] == 401
 
     t = time.monotonic()
-    generated = generate_cases(openapi, max(1, cases // 4), seed, model)
+    generated = generate_cases(openapi, cases // 4, seed, model) if cases >= 4 else []
     gen_s = time.monotonic() - t
     report = {"model": model, "max_model_len": max_model_len, "api_key_required": needs_key,
               "generated": run_generated(target, generated, concurrency, budget_s)}
@@ -400,7 +400,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running server (loopback); default: start one")
     ap.add_argument("--api-key", help="its key (default: env SPECRAY_API_KEY; a started server gets a random one)")
-    ap.add_argument("--cases", type=int, default=400, help="generated cases, split over 2 operations x 2 modes")
+    ap.add_argument("--cases", type=int, default=400,
+                    help="generated cases, split over 2 operations x 2 modes (0: hand cases only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take, stream included")

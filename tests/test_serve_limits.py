@@ -188,3 +188,21 @@ def test_published_schema_carries_the_bounds_and_the_context():
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat["properties"]["messages"]["maxItems"] == L.MAX_MESSAGES
     assert chat["properties"]["messages"]["items"]["properties"]["role"]["enum"] == openapi.ROLES
+
+
+def test_grpc_requests_meet_the_same_bounds():
+    from specray.serve import specray_pb2 as pb
+
+    def req(**params):
+        return pb.GenerateRequest(prompt="x", params=pb.SamplingParams(**params))
+
+    L.check_grpc(req(max_tokens=255, stop=["a"] * 64, stop_token_ids=list(range(1024))), 256)
+    L.check_grpc(req(), 256)  # max_tokens unset: the server's default, within the context
+    for r, param, code in ((req(max_tokens=256), "max_tokens", "invalid_value"),
+                           (req(stop=["a"] * 65), "stop", "array_above_max_length"),
+                           (req(stop=["y" * 2000]), "stop", "string_above_max_length"),
+                           (req(stop_token_ids=list(range(5000))), "stop_token_ids", "array_above_max_length")):
+        e = _refused(L.check_grpc, r, 256)
+        assert (e.status, e.param, e.code) == (400, param, code)
+    many = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="")] * 3000))
+    assert _refused(L.check_grpc, many, 256).param == "messages"
