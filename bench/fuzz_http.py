@@ -18,9 +18,11 @@ Afterwards the server must answer ``/health`` and a real request.
     python bench/fuzz_http.py --out results/cpu_fuzz_http.json          # starts its own server
     python bench/fuzz_http.py --url http://127.0.0.1:8000 --api-key KEY  # one already running
 
-A server it starts serves the embedded pair on the CPU with
-``--max-model-len 256`` (``--max-model-len``): every valid request then
-finishes in seconds, so a hang stands out from a long generation.
+A server it starts serves the embedded pair on the CPU with a short
+context and a small batch (``--max-model-len 128 --max-num-seqs 8
+--max-queued 8``: at most 16 choices of at most 127 tokens), so that the
+costliest valid request finishes well inside ``--timeout`` and a hang stands
+out from a long generation.
 """
 
 from __future__ import annotations
@@ -310,6 +312,14 @@ def hand_cases(model: str, max_model_len: int) -> list[dict]:
             headers["Authorization"] = auth
         out.append({"name": name, "expect": 401, "method": "POST", "path": CH, "raw": J({"messages": msg}),
                     "headers": headers, "auth": False})
+    # Nesting at every depth up to the parser's limit, which depends on how
+    # deep in the stack the server parses: one depth overflowed the stack
+    # when the error message showed the value (a 500).
+    for d in range(800, 1001):
+        for field, raw in (("stop", b'{"prompt": "hi", "stop": ' + b'{"a":' * d + b"1" + b"}" * d + b"}"),
+                           ("metadata", b'{"prompt": "hi", "metadata": {"a": ' + deep(d) + b"}}")):
+            out.append({"name": f"nested_{field}_{d}", "group": f"nested_{field}_800_to_1000", "expect": 400,
+                        "method": "POST", "path": C, "raw": raw, "headers": {"Content-Type": "application/json"}})
     out.append({"name": "get_on_post_route", "expect": 405, "method": "GET", "path": C, "raw": None, "headers": {}})
     out.append({"name": "unknown_route", "expect": 404, "method": "POST", "path": "/v1/embeddings", "raw": ok_body,
                 "headers": {"Content-Type": "application/json"}})
@@ -334,14 +344,29 @@ def run_hand(target: Target, cases: list[dict], needs_key: bool) -> dict:
         if outcome == "rejected_4xx":
             code = json.loads(body)["error"]["code"]
         results.append({"name": c["name"], "status": status, "code": code, "seconds": round(secs, 4),
-                        "bytes_sent": len(c["raw"] or b""), "ok": ok})
+                        "bytes_sent": len(c["raw"] or b""), "ok": ok, "group": c.get("group")})
         if not ok:
             failures.append({"name": c["name"], "status": status, "expected": c["expect"],
                              "why": why or body[:300].decode("utf-8", "replace")})
     statuses = collections.Counter(str(r["status"]) for r in results)
+    shown, groups = [], {}
+    for r in results:  # a sweep's cases as one line each
+        g = r.pop("group")
+        if g is None:
+            shown.append(r)
+            continue
+        if g not in groups:
+            groups[g] = {"name": g, "cases": 0, "by_status": collections.Counter(), "max_seconds": 0.0, "ok": True}
+            shown.append(groups[g])
+        groups[g]["cases"] += 1
+        groups[g]["by_status"][str(r["status"])] += 1
+        groups[g]["max_seconds"] = max(groups[g]["max_seconds"], r.get("seconds") or 0.0)
+        groups[g]["ok"] &= r["ok"]
+    for g in groups.values():
+        g["by_status"] = dict(g["by_status"])
     return {"cases": len(results), "by_status": dict(sorted(statuses.items())),
             "5xx": sum(1 for r in results if (r["status"] or 0) >= 500),
-            "passed": sum(r["ok"] for r in results), "results": results, "failures": failures}
+            "passed": sum(r["ok"] for r in results), "results": shown, "failures": failures}
 
 
 # ---------------------------------------------------------------- driver
@@ -379,19 +404,18 @@ def fuzz(url: str, api_key: str | None, cases: int = 400, seed: int = 0, concurr
     if hand:
         report["hand"] = run_hand(target, hand_cases(model, max_model_len), needs_key)
     report["alive_after"] = alive(target, model)
-    g, h = report["generated"], report.get("hand", {"cases": 0, "by_status": {}, "failures": [], "5xx": 0})
+    g, h = report["generated"], report.get("hand", {"cases": 0, "by_status": {}, "failures": [], "results": []})
     statuses = collections.Counter(g["by_status"]) + collections.Counter(h["by_status"])
-    fails = len(g["failures"]) + len(h["failures"])
+    hand_ok = sum(1 for r in h["results"] if r.get("status") == 200)
     report["summary"] = {
         "cases": g["cases"] + h["cases"], "by_status": dict(sorted(statuses.items())),
         "5xx": sum(v for k, v in statuses.items() if k.isdigit() and int(k) >= 500),
-        "valid_200": g["by_outcome"].get("ok_200", 0) + sum(1 for r in h.get("results", []) if r["status"] == 200),
+        "valid_200": g["by_outcome"].get("ok_200", 0) + hand_ok,
         "rejected_4xx": sum(v for k, v in statuses.items() if k.isdigit() and 400 <= int(k) < 500),
-        "timeouts": g["by_outcome"].get("timeout", 0), "failures": fails,
+        "timeouts": g["by_outcome"].get("timeout", 0), "failures": len(g["failures"]) + len(h["failures"]),
         "server_alive": report["alive_after"].get("alive", False)}
-    timed = {r["name"]: r["seconds"] for r in h.get("results", []) if r["name"].startswith(("prompt_2mb", "chat_2mb",
-                                                                                           "body_5mb",
-                                                                                           "messages_1e5"))}
+    sized = ("prompt_2mb", "chat_2mb", "body_5mb", "messages_1e5")
+    timed = {r["name"]: r["seconds"] for r in h["results"] if r["name"].startswith(sized)}
     report["summary"]["refusal_seconds"] = timed
     return report
 
@@ -404,10 +428,11 @@ def main(argv=None) -> dict:
                     help="generated cases, split over 2 operations x 2 modes (0: hand cases only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take, stream included")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, stream included")
     ap.add_argument("--budget", type=float, default=900.0, help="seconds for the generated cases")
     ap.add_argument("--no-hand", action="store_true", help="generated cases only")
-    ap.add_argument("--max-model-len", type=int, default=256, help="of a server this script starts")
+    ap.add_argument("--max-model-len", type=int, default=128, help="of a server this script starts")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="of a server this script starts (and --max-queued)")
     ap.add_argument("--serve-arg", action="append", default=[], help="more `specray serve` arguments")
     ap.add_argument("--out", help="write the report (JSON) here")
     args = ap.parse_args(argv)
@@ -419,8 +444,9 @@ def main(argv=None) -> dict:
 
         api_key = api_key or secrets.token_hex(8)
         log = os.path.join(tempfile.gettempdir(), f"specray_fuzz_serve_{os.getpid()}.log")
-        server = serving.LocalServer(["--max-model-len", str(args.max_model_len), *args.serve_arg], log,
-                                     api_key=api_key)
+        server = serving.LocalServer(["--max-model-len", str(args.max_model_len), "--max-num-seqs",
+                                      str(args.max_num_seqs), "--max-queued", str(args.max_num_seqs),
+                                      *args.serve_arg], log, api_key=api_key)
     url = args.url or server.url
     t = time.monotonic()
     try:

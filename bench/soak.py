@@ -200,7 +200,8 @@ async def sampler(app: str, every: float, out: list, stop: asyncio.Event) -> Non
     while not stop.is_set():
         try:
             s = await asyncio.to_thread(snapshot, app)
-            out.append({k: s[k] for k in ("time", "rss_total_mb", "pools", "in_flight", "running", "waiting")})
+            out.append({**{k: s[k] for k in ("time", "rss_total_mb", "pools", "in_flight", "running", "waiting")},
+                        "loadavg_1m": round(os.getloadavg()[0], 2)})
         except Exception as e:
             out.append({"time": time.time(), "error": f"{type(e).__name__}: {e}"})
         try:
@@ -231,7 +232,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--duration", type=float, default=600.0, help="measured seconds")
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds of the same load before the start figures")
     ap.add_argument("--max-tokens", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"))
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds a request may take (64 streams on two shared cores took up to 295 s each)")
     ap.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
     ap.add_argument("--sample-every", type=float, default=15.0, help="seconds between memory / KV samples")
     ap.add_argument("--seed", type=int, default=0)
@@ -260,6 +262,7 @@ def main(argv=None) -> dict:
                                 args.timeout, None, args.seed + 1))
         warm_drain = drain(args.app_name)
         start = snapshot(args.app_name)
+        start_load = round(os.getloadavg()[0], 2)
         print(f"soak: warmed up in {time.monotonic() - t:.0f} s; start RSS {start['rss_mb']} MB, KV {start['pools']}",
               flush=True)
         run = asyncio.run(soak(args, url, model, prompts))
@@ -292,6 +295,8 @@ def main(argv=None) -> dict:
                       "mean": round(statistics.fmean(stats.latency), 3) if stats.latency else None},
         "ttft_s": {"p50": pct(stats.ttft, 50), "p90": pct(stats.ttft, 90), "p99": pct(stats.ttft, 99),
                    "max": pct(stats.ttft, 100)},
+        "loadavg_1m": {"start": start_load, "end": round(os.getloadavg()[0], 2),
+                       "max_sampled": max((t.get("loadavg_1m", 0) for t in run["timeline"]), default=None)},
         "start": start, "end": end, "drain": {"after_warmup": warm_drain, "after_load": end_drain},
         "rss_growth_pct": growth,
         "rss_total_growth_pct": round(100 * (end["rss_total_mb"] / start["rss_total_mb"] - 1), 2),

@@ -55,12 +55,12 @@ def test_fuzzed_and_hostile_requests_get_4xx_or_a_completion(server):
     failures = report["generated"]["failures"] + report["hand"]["failures"]
     assert s["failures"] == 0 and s["5xx"] == 0, failures[:5]
     assert s["server_alive"], report["alive_after"]
-    assert report["generated"]["cases"] >= 40 and report["hand"]["passed"] == report["hand"]["cases"] >= 70
+    assert report["generated"]["cases"] >= 40 and report["hand"]["passed"] == report["hand"]["cases"] >= 400
     assert s["valid_200"] >= 3 and s["rejected_4xx"] >= 60, s
     # Refused by their size alone, in well under a second each.
     assert set(s["refusal_seconds"]) >= {"prompt_2mb", "chat_2mb", "body_5mb_prompt", "messages_1e5"}
     assert max(s["refusal_seconds"].values()) < 1.0, s["refusal_seconds"]
-    codes = {r["name"]: (r["status"], r["code"]) for r in report["hand"]["results"]}
+    codes = {r["name"]: (r["status"], r["code"]) for r in report["hand"]["results"] if "status" in r}
     assert codes["prompt_2mb"] == codes["chat_2mb"] == (400, "context_length_exceeded")
     assert codes["max_tokens_1e12"] == (400, "invalid_value")
     assert codes["stop_10000"] == codes["messages_1e5"] == (400, "array_above_max_length")

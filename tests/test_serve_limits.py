@@ -206,3 +206,34 @@ def test_grpc_requests_meet_the_same_bounds():
         assert (e.status, e.param, e.code) == (400, param, code)
     many = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="")] * 3000))
     assert _refused(L.check_grpc, many, 256).param == "messages"
+
+
+def test_bodies_nested_to_the_parsers_limit_stay_400s():
+    """A body nested just under json.loads' depth limit, in a field that
+    fails validation, overflowed the stack when the error message showed the
+    value (json.dumps walks it again, a few frames deeper): a 500. So did
+    the surrogate check's re-encoding of such a body. Whatever the stack
+    depth the request arrives at, every depth must end in a 400."""
+    import sys
+
+    def parse_at(frames: int, raw: bytes):
+        if frames:
+            return parse_at(frames - 1, raw)
+        try:
+            body = P.parse_json(raw)
+            L.check_body(body, 256)
+            P.parse(P.CompletionRequest, body)
+        except P.APIError as e:
+            return e.status
+        return 200
+
+    limit = sys.getrecursionlimit()
+    t = time.perf_counter()
+    for frames in (0, 7, 50):
+        for d in range(limit - 150, limit + 5):
+            nest = b"[" * d + b"]" * d
+            for raw in (b'{"prompt": "hi", "metadata": {"a": ' + nest + b"}}",
+                        b'{"prompt": "hi", "stop": ' + b'{"a":' * d + b"1" + b"}" * d + b"}",
+                        b'{"prompt": "hi \\ud800", "user": ' + nest + b"}"):
+                assert parse_at(frames, raw) == 400, (frames, d, raw[:40])
+    assert time.perf_counter() - t < 30

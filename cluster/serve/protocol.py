@@ -72,7 +72,7 @@ def from_validation_error(e: ValidationError | list[dict]) -> APIError:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     got = err.get("input")
-    shown = json.dumps(got)[:200] if _jsonable(got) else repr(got)[:200]
+    shown = _shown(got)
     return bad_request(f"Invalid value for '{param}': {msg} (got {shown}).", param, "invalid_value")
 
 
@@ -80,12 +80,15 @@ def _param(err: dict) -> str | None:
     return ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.fullmatch(str(p))) or None
 
 
-def _jsonable(x) -> bool:
-    try:
-        json.dumps(x)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _shown(x) -> str:
+    # A value nested to the parser's depth limit, walked again a few frames
+    # deeper, overflows the stack: that must stay a 400 (it was a 500).
+    for show in (json.dumps, repr):
+        try:
+            return show(x)[:200]
+        except (TypeError, ValueError, RecursionError):
+            continue
+    return f"a {type(x).__name__} nested too deeply to show"
 
 
 def prompt_error(e: ValueError, param: str) -> APIError:
@@ -126,6 +129,9 @@ def parse_json(raw: bytes) -> Any:
         except UnicodeEncodeError:
             raise bad_request("The request body contains invalid Unicode: an unpaired surrogate escape "
                               "(\\ud800-\\udfff without its pair).", None, "invalid_unicode") from None
+        except RecursionError:
+            raise bad_request("We could not parse the JSON body of your request: it is nested too deeply.", None,
+                              "invalid_json") from None
     return body
 
 
