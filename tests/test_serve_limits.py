@@ -160,6 +160,16 @@ def test_strict_parsing_still_takes_what_clients_send():
                                             "metadata": {"k": "v"}, "response_format": {"type": "text"}})
     assert req.temperature == 1.0 and req.chat_messages() == [{"role": "user", "content": "x"}]
     assert P.parse(P.CompletionRequest, {"prompt": [[1, 2]], "presence_penalty": 0}).prompt == [1, 2]
+    # JSON has one number type: 36.0 is the integer 36 (JSON Schema's rule;
+    # strict parsing first refused it, found by the schema fuzzer)
+    req = P.parse(P.CompletionRequest, {"prompt": [5.0, 6.0], "max_tokens": 36.0, "top_k": 4.0,
+                                        "stop_token_ids": [2.0]})
+    assert (req.prompt, req.max_tokens, req.top_k, req.stop_token_ids) == ([5, 6], 36, 4, [2])
+    assert P.parse(P.CompletionRequest, {"prompt": [[7.0]]}).prompt == [7]
+    for bad in ({"prompt": "x", "max_tokens": 5.5}, {"prompt": "x", "stream": 1.0}, {"prompt": [5.5]}):
+        _refused(P.parse, P.CompletionRequest, bad)
+    for big in (1e300, float("inf"), 256.0):  # a float max_tokens is bounded like an int
+        assert _refused(L.check_body, {"prompt": "x", "max_tokens": big}, 256).param == "max_tokens"
 
 
 def test_published_schema_carries_the_bounds_and_the_context():
@@ -188,6 +198,41 @@ def test_published_schema_carries_the_bounds_and_the_context():
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat["properties"]["messages"]["maxItems"] == L.MAX_MESSAGES
     assert chat["properties"]["messages"]["items"]["properties"]["role"]["enum"] == openapi.ROLES
+    assert set(chat["dependentSchemas"]) == {"stream_options", "top_logprobs"}
+
+
+def test_bodies_drawn_from_the_published_schema_are_what_the_server_takes():
+    """Valid bodies drawn from the schema pass the server's checks (bar
+    what a schema cannot say: min_tokens against max_tokens) and invalid
+    ones do not: the schema describes the server, not a looser API."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("schemathesis")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import fuzz_http
+
+    from specray.serve import openapi
+    from specray.serve.app import app
+
+    openapi.publish_context(128)
+    try:
+        doc = json.loads(json.dumps(app.openapi()))
+    finally:
+        openapi._CONTEXT.clear()
+        app.openapi_schema = None
+    refused = {"positive": [], "negative": []}
+    for c in fuzz_http.generate_cases(doc, 40, 7, "m"):
+        model = P.CompletionRequest if c["operation"] == "completions" else P.ChatCompletionRequest
+        try:
+            body = P.parse_json(c["raw"])
+            L.check_body(body, 128)
+            req = P.parse(model, body)
+            req.sampling_params(req.max_new_tokens(16) if model is P.ChatCompletionRequest else req.max_new_tokens())
+        except P.APIError as e:
+            refused[c["mode"]].append(e.param)
+    assert len(refused["negative"]) == 80, "a body outside the schema was taken"
+    assert [p for p in refused["positive"] if p != "min_tokens"] == [], refused["positive"]
 
 
 def test_grpc_requests_meet_the_same_bounds():

@@ -53,8 +53,9 @@ def check_max_tokens(value, max_model_len: int, param: str = "max_tokens") -> No
     """No prompt leaves room for ``max_model_len`` new tokens or more (the
     prompt takes one at least): OpenAI's and vLLM's 400, rather than a
     request that runs to the end of the context."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= max_model_len:
-        shown = str(value) if value < 10**30 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= max_model_len:
+        shown = str(value) if isinstance(value, float) or value < 10**30 else \
+            f"{str(value)[:12]}... ({len(str(value))} digits)"
         raise bad_request(f"{param} is too large: {shown}. This model's maximum context length is {max_model_len} "
                           f"tokens, so it generates at most {max_model_len - 1} (after a one-token prompt).",
                           param, "invalid_value")

@@ -41,6 +41,54 @@ def _inline(node, defs: dict):
     return node
 
 
+# What the server takes of the fields it accepts only at their neutral value.
+EMPTY = {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0},
+                   {"type": "object", "maxProperties": 0}]}
+TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+             "required": ["type", "text"], "additionalProperties": False}
+_RANGES = {"presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+           "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10}, "n": {"minimum": 1},
+           "best_of": {"minimum": 1, "maximum": 1}, "seed": {"minimum": -2**63, "maximum": 2**63 - 1}}
+# Fields that need another: stream_options a stream, top_logprobs > 0 logprobs.
+_DEPENDENT = {
+    "stream_options": {"anyOf": [{"properties": {"stream_options": {"type": "null"}}},
+                                 {"properties": {"stream": {"const": True}}, "required": ["stream"]}]},
+    "top_logprobs": {"anyOf": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
+                               {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]},
+}
+_NEUTRAL = {"echo": {"boolean": {"const": False}}, "suffix": {"string": {"maxLength": 0}},
+            "logit_bias": {"object": {"maxProperties": 0}}, "tools": {"array": {"maxItems": 0}},
+            "functions": {"array": {"maxItems": 0}},
+            "response_format": {"object": {"properties": {"type": {"const": "text"}}}}}
+
+
+def _supported_only(props: dict) -> None:
+    for name, bounds in _RANGES.items():
+        for v in _variants(props.get(name, {})):
+            if v.get("type") in ("number", "integer"):
+                v.update(bounds)
+    for name, by_type in _NEUTRAL.items():
+        for v in _variants(props.get(name, {})):
+            v.update(by_type.get(v.get("type"), {}))
+    for name in ("tool_choice", "function_call"):
+        if name in props:
+            props[name] = {"anyOf": [{"type": "null"}, {"const": "none"}]}
+    for v in _variants(props.get("prompt", {})):
+        if v.get("type") == "string":
+            v["minLength"] = 1
+        elif v.get("type") == "array":
+            v["minItems"] = 1
+            items = v["items"]
+            if items.get("type") == "integer":
+                items["minimum"] = 0
+                continue
+            v["maxItems"] = 1  # a batch of one prompt
+            if items.get("type") == "string":
+                items["minLength"] = 1
+            else:
+                items.update(minItems=1, items={"type": "integer", "minimum": 0})
+
+
 def _variants(prop: dict) -> list[dict]:
     return prop.get("anyOf", [prop])
 
@@ -80,8 +128,18 @@ def _operation(model_cls) -> _Operation:
         for v in _variants(props.get(name, {})):
             if v.get("type") == "integer":
                 v.update(minimum=0, maximum=MAX_LOGPROBS)
+    _supported_only(props)
+    for v in _variants(props["stream_options"]):
+        if v.get("type") == "object":
+            v["properties"]["continuous_usage_stats"] = {"type": "boolean", "const": False}
+    schema["dependentSchemas"] = {k: v for k, v in _DEPENDENT.items() if k in props}
     if "messages" in props:
-        props["messages"]["items"]["properties"]["role"]["enum"] = ROLES
+        message = props["messages"]["items"]
+        message["properties"]["role"]["enum"] = ROLES
+        message["additionalProperties"] = EMPTY  # an earlier answer's refusal: null and the like
+        for v in _variants(message["properties"]["content"]):
+            if v.get("type") == "array":
+                v["items"] = TEXT_PART
     responses = {str(code): {"description": what, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
                  for code, what in _ERRORS.items()}
     return _Operation(requestBody={"required": True, "content": {"application/json": {"schema": schema}}},

@@ -338,13 +338,27 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens or self.max_tokens or default
 
 
+def _integral(x, depth: int = 0):
+    """Integral floats as ints, in the body's fields and their lists
+    (prompt ids, a batch of one)."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    if isinstance(x, list) and depth < 3:
+        return [_integral(v, depth + 1) for v in x]
+    if isinstance(x, dict) and depth == 0:
+        return {k: _integral(v, 1) for k, v in x.items()}
+    return x
+
+
 def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
         # Strict: JSON's types as the schema has them; lax pydantic read
-        # true as the token id 1, "5" as 5 and 1 as true.
-        req = model_cls.model_validate(body, strict=True)
+        # true as the token id 1, "5" as 5 and 1 as true. JSON has one
+        # number type: 5.0 is the integer 5 (JSON Schema's rule, and what
+        # clients that compute max_tokens as a float send).
+        req = model_cls.model_validate(_integral(body), strict=True)
     except ValidationError as e:
         raise from_validation_error(e) from None
     req.check()
