@@ -41,7 +41,7 @@ def _inline(node, defs: dict):
     return node
 
 
-# What the server takes of the fields it accepts only at their neutral value.
+# A message's extra fields: only empty ones (an earlier answer sent back).
 EMPTY = {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0},
                    {"type": "object", "maxProperties": 0}]}
 TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
@@ -56,6 +56,7 @@ _DEPENDENT = {
     "top_logprobs": {"anyOf": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
                                {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]},
 }
+# Fields the server takes only at their neutral value.
 _NEUTRAL = {"echo": {"boolean": {"const": False}}, "suffix": {"string": {"maxLength": 0}},
             "logit_bias": {"object": {"maxProperties": 0}}, "tools": {"array": {"maxItems": 0}},
             "functions": {"array": {"maxItems": 0}},
@@ -136,7 +137,7 @@ def _operation(model_cls) -> _Operation:
     if "messages" in props:
         message = props["messages"]["items"]
         message["properties"]["role"]["enum"] = ROLES
-        message["additionalProperties"] = EMPTY  # an earlier answer's refusal: null and the like
+        message["additionalProperties"] = EMPTY
         for v in _variants(message["properties"]["content"]):
             if v.get("type") == "array":
                 v["items"] = TEXT_PART
