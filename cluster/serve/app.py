@@ -42,6 +42,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from specray.serve import limits as L
+from specray.serve import openapi
 from specray.serve import protocol as P
 from specray.serve.lease import EngineStream, Lease, detached, release_all, set_status, shielded
 
@@ -176,7 +178,7 @@ class SpecRayServer:
     def __init__(self, settings: dict):
         from specray.async_engine import AsyncEngine
         from specray.config import TargetSpec
-        from specray.detokenizer import load_tokenizer, max_prompt_chars
+        from specray.detokenizer import load_tokenizer, max_prompt_bytes, max_prompt_chars
         from specray.llm import resolve_max_model_len
         from specray.serve.loopback import bind_replica_server_to_node_ip
         from specray.serve.metrics import ServeMetrics
@@ -192,6 +194,8 @@ class SpecRayServer:
         self.tokenizer = load_tokenizer(config.target)
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specray-tokenize")
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len - 1)
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len - 1)
+        openapi.publish_context(self.max_model_len)
         self.engine = AsyncEngine.from_config(config, backend=s.backend, tensor_parallel_size=s.tensor_parallel_size,
                                               drafter_placement=s.drafter_placement)
         self.limit = s.max_in_flight
@@ -316,6 +320,8 @@ class SpecRayServer:
         (seconds for a few million, every stream of the engine slowed)."""
         from specray.request import PromptTooLong, check_prompt_length
 
+        if isinstance(prompt, str):
+            L.check_prompt_bytes(prompt, self.max_prompt_bytes, self.max_model_len, "prompt")
         try:
             check_prompt_length(prompt, self.max_model_len, self.max_prompt_chars)
         except PromptTooLong as e:
@@ -326,6 +332,7 @@ class SpecRayServer:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja TemplateError and friends
             raise P.bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+        L.check_prompt_bytes(text, self.max_prompt_bytes, self.max_model_len, "messages")
         if len(text) > self.max_prompt_chars:
             raise P.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens; the rendered messages "
@@ -372,11 +379,11 @@ class SpecRayServer:
         self.metrics.request_done("models", 200)
         return self._model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.completions)
     async def completions(self, request: Request):
         return await self._serve_http(request, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.chat_completions)
     async def chat_completions(self, request: Request):
         return await self._serve_http(request, "chat")
 
@@ -386,7 +393,9 @@ class SpecRayServer:
         leases: list[Lease] = []
         try:
             self._check_http_key(request)
+            L.check_content_type(request.headers.get("content-type"))
             body = P.parse_json(await self._read_body(request))
+            L.check_body(body, self.max_model_len)
             if kind == "chat":
                 req = P.parse(P.ChatCompletionRequest, body)
                 self._check_model(req.model)
@@ -548,6 +557,7 @@ class SpecRayServer:
             raise P.APIError(413, f"The request has {size} bytes; this server takes at most {limit}.",
                              "invalid_request_error", None, "request_too_large")
         self._check_model(request.model or None)
+        L.check_grpc(request, self.max_model_len)
         which = request.WhichOneof("input")
         if which is None:
             raise P.bad_request("one of prompt, prompt_token_ids or messages is required", "input")

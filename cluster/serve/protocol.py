@@ -72,7 +72,7 @@ def from_validation_error(e: ValidationError | list[dict]) -> APIError:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     got = err.get("input")
-    shown = json.dumps(got)[:200] if _jsonable(got) else repr(got)[:200]
+    shown = _shown(got)
     return bad_request(f"Invalid value for '{param}': {msg} (got {shown}).", param, "invalid_value")
 
 
@@ -80,12 +80,15 @@ def _param(err: dict) -> str | None:
     return ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.fullmatch(str(p))) or None
 
 
-def _jsonable(x) -> bool:
-    try:
-        json.dumps(x)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _shown(x) -> str:
+    # A value nested to the parser's depth limit, walked again a few frames
+    # deeper, overflows the stack: that must stay a 400 (it was a 500).
+    for show in (json.dumps, repr):
+        try:
+            return show(x)[:200]
+        except (TypeError, ValueError, RecursionError):
+            continue
+    return f"a {type(x).__name__} nested too deeply to show"
 
 
 def prompt_error(e: ValueError, param: str) -> APIError:
@@ -126,6 +129,9 @@ def parse_json(raw: bytes) -> Any:
         except UnicodeEncodeError:
             raise bad_request("The request body contains invalid Unicode: an unpaired surrogate escape "
                               "(\\ud800-\\udfff without its pair).", None, "invalid_unicode") from None
+        except RecursionError:
+            raise bad_request("We could not parse the JSON body of your request: it is nested too deeply.", None,
+                              "invalid_json") from None
     return body
 
 
@@ -332,11 +338,27 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens or self.max_tokens or default
 
 
+def _integral(x, depth: int = 0):
+    """Integral floats as ints, in the body's fields and their lists
+    (prompt ids, a batch of one)."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    if isinstance(x, list) and depth < 3:
+        return [_integral(v, depth + 1) for v in x]
+    if isinstance(x, dict) and depth == 0:
+        return {k: _integral(v, 1) for k, v in x.items()}
+    return x
+
+
 def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
-        req = model_cls.model_validate(body)
+        # Strict: JSON's types as the schema has them; lax pydantic read
+        # true as the token id 1, "5" as 5 and 1 as true. JSON has one
+        # number type: 5.0 is the integer 5 (JSON Schema's rule, and what
+        # clients that compute max_tokens as a float send).
+        req = model_cls.model_validate(_integral(body), strict=True)
     except ValidationError as e:
         raise from_validation_error(e) from None
     req.check()
