@@ -139,7 +139,7 @@ DRAFTER_SUBDIR = "smollm2-dflash"
 
 def default_drafter_dir() -> str:
     """The DFlash drafter shipped with specray for the default target
-    (trained by examples/train_drafter.py; see its training.json)."""
+    (trained by specray.training; see its training.json)."""
     d = pathlib.Path(__file__).parent / "assets" / DRAFTER_SUBDIR
     if not (d / "config.json").is_file():
         raise RuntimeError(f"the default drafter is missing from this install ({d})")
