@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         try:
-            if serve_was_running:
+            # A Serve of a Ray we started goes with that Ray: serve.shutdown()
+            # would have its controller kill itself mid-call, which Ray reports
+            # on stdout as a failed task.
+            if serve_was_running or started_ray:
                 serve.delete(args.app_name)
             else:
                 serve.shutdown()
