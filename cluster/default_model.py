@@ -56,6 +56,11 @@ def _complete(d: pathlib.Path) -> bool:
     return all((d / name).is_file() for name in _REQUIRED)
 
 
+def default_target_ready() -> bool:
+    """Whether the default target is converted already (else its first use converts it)."""
+    return _complete(default_cache_dir())
+
+
 def _check_tied(weights: pathlib.Path, tied: bool) -> None:
     # Loaders outside transformers (ours included) decide from the config
     # whether to alias lm_head to the embedding; the file must agree.

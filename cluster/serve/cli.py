@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from specray.cli import resolve_models
+        from specray.default_model import default_cache_dir, default_target_ready
 
+        if args.target is None and not default_target_ready():
+            print(f"specray: converting the embedded target (SmolLM2-135M-Instruct, from its GGUF) into "
+                  f"{default_cache_dir()}, once", flush=True)
         target, drafter = resolve_models(args)
     except Exception as e:  # the embedded default pair may be missing or not convertible here
         what = "the default models" if args.target is None else "the models"
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specray serve: error: {e}", file=sys.stderr)
         return 2
 
+    print("specray: starting Ray and the Serve app", flush=True)
     started_ray = _start_ray(args.host)
     import ray
     from ray import serve
