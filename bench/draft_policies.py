@@ -24,9 +24,6 @@ the one-pass block: whether refining a block in place could help.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,18 +34,7 @@ from specray.cli import add_model_args, resolve_models
 from specray.detokenizer import load_tokenizer
 from specray.prompt_lookup import NgramIndex
 
-REPO = Path(__file__).resolve().parents[1]
 LOOKUPS = {"2..4": (2, 4), "1..4": (1, 4), "3..6": (3, 6)}
-
-
-def training_module():
-    """examples/train_drafter.py: its Drafter runs a block at every anchor
-    of a sequence in one forward, as training does."""
-    spec = importlib.util.spec_from_file_location("train_drafter", REPO / "examples" / "train_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_drafter"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def accepted(draft: list[int], tokens: list[int], anchor: int) -> int:
@@ -105,16 +91,18 @@ def teacher_forced(target_dir: str, drafter_dir: str, rows, max_tokens: int):
     of the continuation (context: the tokens before ``a``), and
     ``logits_of(block)`` the drafter's logits ``[anchors, B - 1, V]`` for
     such blocks, all anchors in one forward, as training runs them."""
-    td = training_module()
     from transformers import AutoModelForCausalLM
+
+    from specray.training.export import load_drafter
+    from specray.training.model import Drafter
 
     llm = LLM(target_dir, None, device="cpu", dtype="float32")
     outs = llm.generate([text for _, text in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens))
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    config, state = td.load_drafter(drafter_dir, target_dir)
+    config, state = load_drafter(drafter_dir, target_dir)
     taps, B = config.dflash_config["target_layer_ids"], config.block_size
     mask_id = config.dflash_config["mask_token_id"]
-    drafter = td.Drafter(config, max(len(o.prompt_token_ids) + len(o.token_ids) for o in outs) + B)
+    drafter = Drafter(config, max(len(o.prompt_token_ids) + len(o.token_ids) for o in outs) + B)
     drafter.load_state_dict(state, strict=False)
     drafter = drafter.float().eval()
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight

@@ -1,4 +1,4 @@
-"""``specray`` command line: generate | serve | batch | bench."""
+"""``specray`` command line: generate | serve | batch | bench | train-drafter."""
 
 from __future__ import annotations
 
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("batch", "specray.batch", "batch generation over JSONL / Parquet (also a `ray job submit` entry point)"),
         ("bench", "specray.bench", "speculative vs autoregressive throughput on the evaluation set "
                                     "(`bench serve`: load on the HTTP server)"),
+        ("train-drafter", "specray.training.cli", "train a DFlash drafter for a target by self-distillation"),
     ):
         # add_help=False: --help reaches the module's own parser.
         p = sub.add_parser(name, help=help_, add_help=False)

@@ -56,6 +56,11 @@ def _complete(d: pathlib.Path) -> bool:
     return all((d / name).is_file() for name in _REQUIRED)
 
 
+def default_target_ready() -> bool:
+    """Whether the default target is converted already (else its first use converts it)."""
+    return _complete(default_cache_dir())
+
+
 def _check_tied(weights: pathlib.Path, tied: bool) -> None:
     # Loaders outside transformers (ours included) decide from the config
     # whether to alias lm_head to the embedding; the file must agree.
@@ -139,7 +144,7 @@ DRAFTER_SUBDIR = "smollm2-dflash"
 
 def default_drafter_dir() -> str:
     """The DFlash drafter shipped with specray for the default target
-    (trained by examples/train_drafter.py; see its training.json)."""
+    (trained by specray.training; see its training.json)."""
     d = pathlib.Path(__file__).parent / "assets" / DRAFTER_SUBDIR
     if not (d / "config.json").is_file():
         raise RuntimeError(f"the default drafter is missing from this install ({d})")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -63,9 +62,9 @@ def _write_random(out: Path, shapes: dict[str, tuple[int, ...]], shard_bytes: in
 def random_checkpoints(root: Path, shape: str, block_size: int = 16) -> tuple[str, str]:
     """A random Qwen3 target of ``shape`` and a DFlash drafter for it
     (reused when already written)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_drafter import default_taps, drafter_config
     from transformers import Qwen3Config
+
+    from specray.training.model import default_taps, drafter_config
 
     fields, draft_layers = SHAPES[shape]
     tdir, ddir = root / f"{shape}-target", root / f"{shape}-drafter"

@@ -47,6 +47,8 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
         assert "press Ctrl-C" in out, out[-4000:]
         assert f"http://127.0.0.1:{port}/v1" in out
         assert "sample A:" in out and "mean acceptance length" in out and "/metrics" in out
+        assert out.count("sample Q:") == 2 and "why the sky is blue" in out and " tok/s " in out
+        assert "INFO" not in out and "(ServeController" not in out  # Ray's own logs stay in its files
         # still serving, with the key from SPECRAY_API_KEY
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
                                      headers={"Authorization": "Bearer cli-key"})

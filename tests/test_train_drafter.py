@@ -1,13 +1,11 @@
-"""examples/train_drafter.py: the training forward sees exactly what
-inference sees (block logits equal dflash.model.DFlashDraftModel's for the
-same context, weights read back from the checkpoint the script writes), the
-checkpoint loads in the reference and in specray, and a tiny end-to-end run
-(generate -> features -> train -> save) works on CPU."""
+"""specray.training: the training forward sees exactly what inference sees
+(block logits equal dflash.model.DFlashDraftModel's for the same context,
+weights read back from the checkpoint training writes), the checkpoint
+loads in the reference and in specray, and a tiny end-to-end run (generate
+-> features -> train -> save) works on CPU."""
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,27 +16,20 @@ import torch.nn.functional as F
 from factories import add_tokenizer, make_target
 from specray import LLM, SamplingParams
 from specray.config import DrafterSpec, TargetSpec
+from specray.training import cli, dataset, export, initialize, model, prompts
+from specray.training.generator import BulkGenerator
+from specray.training.loss import block_loss, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_drafter", ROOT / "examples" / "train_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-td = load_script()
-
-
 def build_and_save(tmp_path, arch, intermediate, block_size=8, taps=(1, 2)):
     hf = make_target(tmp_path / "t", arch=arch)
-    cfg = td.drafter_config(hf.config, 2, intermediate, list(taps), block_size, hf.config.vocab_size - 1)
-    d = td.Drafter(cfg, max_positions=128)
+    cfg = model.drafter_config(hf.config, 2, intermediate, list(taps), block_size, hf.config.vocab_size - 1)
+    d = model.Drafter(cfg, max_positions=128)
     calib = [torch.randint(2, hf.config.vocab_size - 1, (20,), generator=torch.Generator().manual_seed(3))]
-    info = td.init_drafter(d, hf, list(taps), "target", calib, "cpu")
+    info = initialize.init_drafter(d, hf, list(taps), "target", calib, "cpu")
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in d.parameters():
@@ -46,7 +37,7 @@ def build_and_save(tmp_path, arch, intermediate, block_size=8, taps=(1, 2)):
             # onto bf16 values, so the bf16 checkpoint holds exactly them.
             p.add_(0.05 * torch.randn(p.shape, generator=g))
             p.copy_(p.bfloat16().float())
-    td.save_checkpoint(d, tmp_path / "d")
+    export.save_checkpoint(d, tmp_path / "d")
     return hf, d.eval(), info
 
 
@@ -85,10 +76,10 @@ def test_train_forward_matches_reference(tmp_path, arch, intermediate):
 
 def test_narrower_mlp_starts_as_a_pruned_copy(tmp_path):
     hf = make_target(tmp_path / "t", arch="llama")  # intermediate 128
-    cfg = td.drafter_config(hf.config, 2, 48, [1, 2], 8, hf.config.vocab_size - 1)
-    d = td.Drafter(cfg, max_positions=64)
+    cfg = model.drafter_config(hf.config, 2, 48, [1, 2], 8, hf.config.vocab_size - 1)
+    d = model.Drafter(cfg, max_positions=64)
     calib = [torch.randint(2, hf.config.vocab_size - 1, (20,), generator=torch.Generator().manual_seed(3))]
-    td.init_drafter(d, hf, [1, 2], "target", calib, "cpu")
+    initialize.init_drafter(d, hf, [1, 2], "target", calib, "cpu")
     for dl, tl in zip(d.layers, hf.model.layers[-2:], strict=True):
         norms = tl.mlp.down_proj.weight.norm(dim=0)
         keep = norms.topk(48).indices.sort().values  # the rows of the 48 largest down_proj columns
@@ -107,33 +98,33 @@ def test_loss_labels_and_positions(tmp_path):
         feats = torch.cat([hs[2], hs[3]], -1)
     anchors = torch.tensor([[10, 22], [15, 18]])
     decay = torch.exp(-torch.arange(B - 1).float() / 7.0)
-    loss, stats = td.block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L, anchors,
+    loss, stats = block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L, anchors,
                                 319, decay, None)
     assert torch.isfinite(loss)
     # labelled rows: anchor 10 -> 7 (all), 22 -> 1 (only 23), 15 -> 4 (16..19), 18 -> 1 (19)
     assert stats[1].item() == 7 + 1 + 4 + 1
-    s = td.summarize(stats, B, 4)
+    s = summarize(stats, B, 4)
     assert 1.0 <= s["tau"] <= B and len(s["acc"]) == B - 1
     # Soft targets: a top-1 "distribution" on the data's next token is the
     # hard cross-entropy again, whatever the weight.
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
     onehot = (torch.zeros(2, 24, 1), nxt[..., None].int())
     for wt in (0.3, 1.0):
-        soft_loss, _ = td.block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L,
+        soft_loss, _ = block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L,
                                      anchors, 319, decay, None, onehot, wt)
         torch.testing.assert_close(soft_loss, loss)
     # ... and a real top-k changes it.
-    f, soft = td.compute_features(hf, ids.flatten().int(), torch.tensor([24, 24]), torch.tensor([0, 24]), [1, 2],
+    f, soft = dataset.compute_features(hf, ids.flatten().int(), torch.tensor([24, 24]), torch.tensor([0, 24]), [1, 2],
                                   "cpu", 1000, soft_k=5)
     want = hf(ids).logits.log_softmax(-1).topk(5, -1)
     torch.testing.assert_close(soft[0].view(2, 24, 5).float(), want.values, atol=2e-2, rtol=0)  # bf16 storage
     assert torch.equal(soft[1].view(2, 24, 5).long(), want.indices)
     torch.testing.assert_close(f.view(2, 24, -1), feats.to(f.dtype))
-    mixed, _ = td.block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L, anchors, 319,
+    mixed, _ = block_loss(d, hf.get_input_embeddings().weight, hf.lm_head.weight, ids, feats, L, anchors, 319,
                              decay, None, (soft[0].view(2, 24, 5), soft[1].view(2, 24, 5)), 0.5)
     assert torch.isfinite(mixed) and not torch.allclose(mixed, loss)
     # anchors are response positions whose next token exists
-    a = td.sample_anchors(L, torch.tensor([3, 15]), 1000)
+    a = dataset.sample_anchors(L, torch.tensor([3, 15]), 1000)
     assert set(a[0].tolist()) == set(range(3, 23)) and set(a[1].tolist()) == set(range(15, 19))
 
 
@@ -165,7 +156,7 @@ def test_end_to_end_tiny(tmp_path, capsys):
     more = tmp_path / "q.jsonl"
     more.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
                             for i in range(3)))
-    summary = td.main(argv[:4] + [str(more)] + argv[4:] + ["--sampled-prompts", str(more), "--sampled-answers", "2"])
+    summary = cli.train_drafter(argv[:4] + [str(more)] + argv[4:] + ["--sampled-prompts", str(more), "--sampled-answers", "2"])
     gen = summary["data"]["gen"]
     assert gen["magpie_sampled"] == 5 and gen["file_prompts"] == 6 + 3
     # every prompt answered greedily, the second file's twice more sampled
@@ -180,7 +171,7 @@ def test_end_to_end_tiny(tmp_path, capsys):
     assert json.loads((out / "training.json").read_text())["steps"] == 6
     # A rerun reuses the generated data.
     mtime = (out / "data.pt").stat().st_mtime
-    td.main(argv[:-12] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96", "--soft-top-k", "4"])
+    cli.train_drafter(argv[:-12] + ["--max-steps", "1", "--log-every", "1", "--intermediate-size", "96", "--soft-top-k", "4"])
     assert (out / "data.pt").stat().st_mtime == mtime
     assert "data: reusing" in capsys.readouterr().out
     out_spec = LLM(str(tmp_path / "t"), str(out)).generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
@@ -190,7 +181,7 @@ def test_end_to_end_tiny(tmp_path, capsys):
     more = tmp_path / "more"
     more.mkdir()
     os.symlink(out / "data.pt", more / "data.pt")
-    summary = td.main(argv[:4] + ["--out", str(more), "--device", "cpu", "--init-from", str(out), "--draft-layers", "4",
+    summary = cli.train_drafter(argv[:4] + ["--out", str(more), "--device", "cpu", "--init-from", str(out), "--draft-layers", "4",
                                   "--max-steps", "2", "--lr", "0", "--batch-seqs", "2", "--anchors", "4"])
     assert summary["init"] == {"mode": "from", "dir": str(out)} and summary["architecture"]["layers"] == 4
     before, after = load_file(str(out / "model.safetensors")), load_file(str(more / "model.safetensors"))
@@ -216,7 +207,7 @@ def grow_setup(tmp_path):
 
 def test_init_from_grows_the_checkpoint(tmp_path):
     hf, d, out, argv = grow_setup(tmp_path)
-    summary = td.main(argv + ["--draft-layers", "3"])
+    summary = cli.train_drafter(argv + ["--draft-layers", "3"])
     init = summary["init"]
     assert (init["mode"], init["checkpoint_layers"], init["new_layers"]) == ("grow", 2, [2])
     assert init["source_layers"] == [3]  # the target's last layer, as for a fresh drafter's last position
@@ -240,7 +231,7 @@ def test_init_from_grows_the_checkpoint(tmp_path):
     # ... so the grown drafter computes what the checkpoint computes.
     from transformers import Qwen3Config
 
-    grown = td.Drafter(Qwen3Config.from_pretrained(str(out)), max_positions=128)
+    grown = model.Drafter(Qwen3Config.from_pretrained(str(out)), max_positions=128)
     grown.load_state_dict({k: v.float() for k, v in after.items()})
     ids = torch.randint(2, 300, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -257,19 +248,16 @@ def test_init_from_grows_the_checkpoint(tmp_path):
 def test_init_from_rejects_fewer_layers_and_conflicting_flags(tmp_path):
     _, _, _, argv = grow_setup(tmp_path)
     with pytest.raises(SystemExit, match="--draft-layers 1 is fewer than the 2 layers of the --init-from checkpoint"):
-        td.main(argv + ["--draft-layers", "1"])
+        cli.train_drafter(argv + ["--draft-layers", "1"])
     with pytest.raises(SystemExit, match="--block-size 16 conflicts with the --init-from checkpoint's 8"):
-        td.main(argv + ["--draft-layers", "3", "--block-size", "16"])
+        cli.train_drafter(argv + ["--draft-layers", "3", "--block-size", "16"])
     with pytest.raises(SystemExit, match="--target-layer-ids"):
-        td.main(argv + ["--target-layer-ids", "0,2"])
+        cli.train_drafter(argv + ["--target-layer-ids", "0,2"])
 
 
 def test_bulk_generator_matches_hf_greedy(tmp_path):
     """The self-distillation generator (static batches, padded graph layout,
     chunked prefill) gives HF's greedy tokens, cut after the first stop id."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from selfdistill import BulkGenerator
-
     hf = make_target(tmp_path / "t", arch="llama", seed=2)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 5)]
@@ -287,11 +275,101 @@ def test_bulk_generator_matches_hf_greedy(tmp_path):
 def test_self_written_prompts_near_held_out_sets_are_dropped():
     """Both held-out sets: eval (reported) and dev (chooses between drafters)."""
     sets = [ROOT / "data" / "prompts" / name for name in ("eval.jsonl", "dev.jsonl")]
-    index = td.eval_index([str(p) for p in sets])
+    index = prompts.eval_index([str(p) for p in sets])
     for path in sets:
         first = json.loads(path.read_text().splitlines()[0])
         assert index.near(first["messages"][-1]["content"].upper().replace("?", "!")), path.name
     assert not index.near("Write a limerick about a cat who learns to play the trumpet.")
-    assert td.eval_index([]) is None
-    defaults = td.parse_args(["--target", "t", "--out", "o"]).exclude_prompts
+    assert prompts.eval_index([]) is None
+    defaults = cli.parse_args(["--target", "t", "--out", "o"]).exclude_prompts
     assert sorted(Path(p).name for p in defaults) == ["dev.jsonl", "eval.jsonl"]
+
+
+def test_train_drafter_command_help(capsys):
+    """``specray train-drafter --help`` through the dispatcher and through
+    the installed console script, every flag of the scripts it replaced
+    listed."""
+    import subprocess
+    import sys
+
+    from specray.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-drafter", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--target", "--out", "--resume", "--init-from", "--draft-layers", "--soft-top-k", "--magpie-systems",
+                 "--sampled-answers", "--save-every-steps", "--gen-only", "--exclude-prompts"):
+        assert flag in text, flag
+    script = Path(sys.executable).parent / "specray"
+    res = subprocess.run([str(script), "train-drafter", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--resume" in res.stdout, res.stderr
+
+
+def resume_setup(tmp_path):
+    """A target with a tokenizer and OUT dirs holding the same cached
+    data.pt (8 sequences), so a run goes straight to training."""
+    make_target(tmp_path / "t", arch="llama", vocab_size=330, seed=4)
+    add_tokenizer(tmp_path / "t", 320)
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(2, 300, (n,), generator=g, dtype=torch.int32) for n in (30, 26, 34, 28, 40, 22, 31, 36)]
+    data = {"tokens": torch.cat(seqs), "lengths": torch.tensor([len(s) for s in seqs]),
+            "prompt_lens": torch.tensor([10, 8, 12, 9, 11, 7, 10, 12]),
+            "meta": {"max_new_tokens": 24, "temperature": 0.0}}
+    outs = [tmp_path / "whole", tmp_path / "resumed"]
+    for out in outs:
+        out.mkdir()
+        torch.save(data, out / "data.pt")
+    # A clock too long to matter, so the learning rate follows the steps alone.
+    argv = ["--target", str(tmp_path / "t"), "--device", "cpu", "--draft-layers", "2", "--intermediate-size", "96",
+            "--block-size", "8", "--batch-seqs", "2", "--anchors", "4", "--max-steps", "8", "--log-every", "2",
+            "--warmup-steps", "3", "--lr", "3e-3", "--val-frac", "0.2", "--time-budget-s", "1e9",
+            "--save-every-s", "0", "--save-every-steps", "4"]
+    return outs, argv
+
+
+def test_interrupted_run_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """A run killed during step 7 resumes through ``specray train-drafter
+    --resume`` from the state saved at step 4 (its saved arguments) and ends
+    with exactly the weights, optimizer state, log and checkpoint of the
+    same run left alone: model, optimizer, schedule, batch order and RNG
+    all come back."""
+    from specray.cli import main
+    from specray.training import resume, trainer
+
+    (whole, resumed), argv = resume_setup(tmp_path)
+    assert main(["train-drafter", "--out", str(whole), *argv]) == 0
+
+    class Killed(Exception):
+        pass
+
+    real_step, calls = trainer.step_once, []
+
+    def dies_on_step_7(*a, **k):
+        calls.append(1)
+        if len(calls) == 7:
+            raise Killed
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(trainer, "step_once", dies_on_step_7)
+    with pytest.raises(Killed):
+        main(["train-drafter", "--out", str(resumed), *argv])
+    monkeypatch.setattr(trainer, "step_once", real_step)
+    assert resume.load_state(resumed)["step"] == 4
+    assert main(["train-drafter", "--out", str(resumed), "--resume"]) == 0
+
+    summary = json.loads((resumed / "training.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 8
+    assert summary["args"]["max_steps"] == 8 and summary["args"]["block_size"] == 8  # the saved arguments
+    a, b = resume.load_state(whole), resume.load_state(resumed)
+    assert a["step"] == b["step"] == 8
+    assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    moments = [(s["exp_avg"], s["exp_avg_sq"]) for s in a["optimizer"]["state"].values()]
+    moments_b = [(s["exp_avg"], s["exp_avg_sq"]) for s in b["optimizer"]["state"].values()]
+    assert all(torch.equal(x, y) for m, n in zip(moments, moments_b, strict=True) for x, y in zip(m, n))
+    assert not torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"] * 0)  # it trained
+    logs = [[json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()] for out in (whole, resumed)]
+    assert [r["step"] for r in logs[1]] == [1, 2, 4, 6, 8]
+    assert [(r["loss"], r["val_ce"]) for r in logs[0]] == [(r["loss"], r["val_ce"]) for r in logs[1]]
+    ckpt_a, ckpt_b = load_file(str(whole / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(ckpt_a[k], ckpt_b[k]) for k in ckpt_a)

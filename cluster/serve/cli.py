@@ -3,6 +3,7 @@ Serve, on loopback by default, until Ctrl-C."""
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -12,7 +13,8 @@ import urllib.request
 
 from specray.cli import add_model_args, drafting_args
 
-SAMPLE_QUESTION = "What is the capital of France?"
+# A one-line answer, then one long enough for its acceptance and speed to mean something.
+SAMPLE_QUESTIONS = ("What is the capital of France?", "Explain in a few sentences why the sky is blue.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-replicas", type=int, default=1)
     s.add_argument("--app-name", default="specray")
     s.add_argument("--sample-request", action="store_true",
-                   help=f"after startup, ask {SAMPLE_QUESTION!r} and print the answer and its acceptance stats")
+                   help=f"after startup, ask {' and '.join(map(repr, SAMPLE_QUESTIONS))} and print the answers "
+                        "with their speed and acceptance stats")
     s.add_argument("--exit-after-sample", action="store_true", help="exit after --sample-request")
-    s.add_argument("--sample-max-tokens", type=int, default=32)
+    s.add_argument("--sample-max-tokens", type=int, default=100, help="the most tokens of each sample answer")
     return p
 
 
@@ -56,8 +59,10 @@ def _start_ray(host: str):
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
+    # log_to_driver=False: the actors' logs (Serve's controller, proxies and
+    # replicas log every request at INFO) stay in Ray's log files.
     if address:
-        ray.init(address=address, namespace="serve", logging_level="WARNING")
+        ray.init(address=address, namespace="serve", logging_level="WARNING", log_to_driver=False)
         return False
     from specray.serve.loopback import prepare_local_ray
 
@@ -65,8 +70,17 @@ def _start_ray(host: str):
     # address="local": a fresh cluster even if /tmp/ray/ray_current_cluster
     # names one that `ray start` left behind.
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace="serve", logging_level="WARNING")
+             include_dashboard=False, namespace="serve", logging_level="WARNING", log_to_driver=False)
     return True
+
+
+def _ray_logs_dir() -> str | None:
+    try:
+        from ray._private import worker
+
+        return os.path.join(worker._global_node.get_session_dir_path(), "logs")
+    except Exception:  # a private API: the path is a convenience, not a need
+        return None
 
 
 def _metrics_url() -> str | None:
@@ -83,9 +97,9 @@ def _metrics_url() -> str | None:
     return None
 
 
-def sample_request(base_url: str, model: str, api_key: str | None, max_tokens: int = 32,
-                   timeout: float = 300.0) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
+def sample_request(base_url: str, model: str, api_key: str | None, max_tokens: int = 100,
+                   timeout: float = 300.0, question: str = SAMPLE_QUESTIONS[0]) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens, "temperature": 0}
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -93,6 +107,17 @@ def sample_request(base_url: str, model: str, api_key: str | None, max_tokens: i
     req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def print_sample(question: str, resp: dict, seconds: float) -> None:
+    choice, stats = resp["choices"][0], resp.get("specray", {})
+    tokens = resp["usage"]["completion_tokens"]
+    print(f"specray: sample Q: {question}", flush=True)
+    print(f"specray: sample A: {' '.join(choice['message']['content'].split())}", flush=True)
+    print(f"specray:   {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
+          f"(finish {choice['finish_reason']}); mean acceptance length {stats.get('mean_acceptance_length', 0):.2f} "
+          f"over {len(stats.get('acceptance_lengths', []))} decode steps "
+          f"(accepted {stats.get('num_accepted_tokens')} of {stats.get('num_draft_tokens')} drafts)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from specray.cli import resolve_models
+        from specray.default_model import default_cache_dir, default_target_ready
 
+        if args.target is None and not default_target_ready():
+            print(f"specray: converting the embedded target (SmolLM2-135M-Instruct, from its GGUF) into "
+                  f"{default_cache_dir()}, once", flush=True)
         target, drafter = resolve_models(args)
     except Exception as e:  # the embedded default pair may be missing or not convertible here
         what = "the default models" if args.target is None else "the models"
@@ -129,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specray serve: error: {e}", file=sys.stderr)
         return 2
 
+    print("specray: starting Ray and the Serve app", flush=True)
     started_ray = _start_ray(args.host)
     import ray
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    # Serve's driver-side logger says each step of starting up at INFO.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
     try:  # Serve already running on a cluster we joined: leave it running on exit
         ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
@@ -162,18 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         metrics = _metrics_url()
         if metrics:
             print(f"specray: Prometheus metrics (ray_specray_*) at {metrics}", flush=True)
+        logs = _ray_logs_dir()
+        if logs:
+            print(f"specray: Ray's logs (Serve controller, proxy, replicas) in {logs}", flush=True)
         if args.sample_request:
-            t = time.perf_counter()
-            resp = sample_request(base_url, settings.model_name, api_key, args.sample_max_tokens)
-            stats = resp.get("specray", {})
-            print(f"specray: sample Q: {SAMPLE_QUESTION}", flush=True)
-            print(f"specray: sample A: {resp['choices'][0]['message']['content']!r} "
-                  f"({resp['usage']['completion_tokens']} tokens, {time.perf_counter() - t:.2f} s, "
-                  f"finish {resp['choices'][0]['finish_reason']})", flush=True)
-            print(f"specray: mean acceptance length {stats.get('mean_acceptance_length', 0):.3f} over "
-                  f"{len(stats.get('acceptance_lengths', []))} decode steps "
-                  f"(accepted {stats.get('num_accepted_tokens')} of {stats.get('num_draft_tokens')} drafts)",
-                  flush=True)
+            for question in SAMPLE_QUESTIONS:
+                t = time.perf_counter()
+                resp = sample_request(base_url, settings.model_name, api_key, args.sample_max_tokens,
+                                      question=question)
+                print_sample(question, resp, time.perf_counter() - t)
             if args.exit_after_sample:
                 return 0
         print("specray: press Ctrl-C to stop", flush=True)
@@ -186,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         try:
-            if serve_was_running:
+            # A Serve of a Ray we started goes with that Ray: serve.shutdown()
+            # would have its controller kill itself mid-call, which Ray reports
+            # on stdout as a failed task.
+            if serve_was_running or started_ray:
                 serve.delete(args.app_name)
             else:
                 serve.shutdown()

@@ -8,10 +8,6 @@ replay plus a few tensor ops, and nothing returns to the host until the
 batch is done, so the step costs what the GPU work costs. Greedy tokens are
 the ones specray's own autoregressive engine produces (same model code,
 same kernels, same logits).
-
-Prompts for the chat data can come from the target too (Magpie, Xu et al.
-2024, arXiv 2406.08464): given only the chat template up to the user turn,
-an instruction-tuned model writes a plausible user message.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from specray.actors.target import TargetWorker
 from specray.config import TargetSpec
 from specray.plan import AttentionMetadata, TargetBatch
 from specray.sampling import SamplingParams, SamplingTensors, filtered_probs
+from specray.training.progress import bar
 
 KV_BLOCK = 16
 
@@ -138,25 +135,19 @@ class BulkGenerator:
         gen = torch.Generator(device=self.device).manual_seed(seed) if temperature > 0 else None
         outs: list[list[int]] = []
         t0, last = time.time(), 0.0
-        for i in range(0, len(prompts), self.batch_size):
-            if i and time.time() - t0 + last > time_budget_s:
-                log(f"gen: time budget {time_budget_s:.0f}s reached after {i}/{len(prompts)} prompts")
-                break
-            tb = time.time()
-            chunk = prompts[i : i + self.batch_size]
-            res = self.generate(chunk, temperature=temperature, top_p=top_p, stop_ids=stop_ids, gen=gen)
-            last = time.time() - tb
-            outs += res
-            toks = sum(map(len, res))
-            log(f"gen: {i + len(chunk)}/{len(prompts)} prompts, batch of {len(chunk)}: {toks} tokens in "
-                f"{last:.1f}s = {toks / max(last, 1e-9):.0f} tok/s (T={temperature})")
+        with bar(total=len(prompts), unit="prompt", desc=f"generate T={temperature}") as progress:
+            for i in range(0, len(prompts), self.batch_size):
+                if i and time.time() - t0 + last > time_budget_s:
+                    log(f"gen: time budget {time_budget_s:.0f}s reached after {i}/{len(prompts)} prompts")
+                    break
+                tb = time.time()
+                chunk = prompts[i : i + self.batch_size]
+                res = self.generate(chunk, temperature=temperature, top_p=top_p, stop_ids=stop_ids, gen=gen)
+                last = time.time() - tb
+                outs += res
+                progress.update(len(chunk))
+                toks = sum(map(len, res))
+                log(f"gen: {i + len(chunk)}/{len(prompts)} prompts, batch of {len(chunk)}: {toks} tokens in "
+                    f"{last:.1f}s = {toks / max(last, 1e-9):.0f} tok/s (T={temperature})")
         return outs
 
-
-if __name__ == "__main__":
-    # A library for train_drafter.py, not a script: say so instead of exiting silently.
-    import sys
-
-    print(__doc__.strip() + "\n\nNo command line of its own: run examples/train_drafter.py "
-          "(--gen-only stops after this data stage).", file=sys.stderr)
-    sys.exit(0 if set(sys.argv[1:]) & {"-h", "--help"} else 2)
