@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from specray.actors.drafter import DrafterWorker
+from specray.actors.drafter_restart import LocalDrafterRestart, RemoteDrafterRestart
 from specray.actors.models.layers import TPContext
+from specray.actors.pair_channel import PairChannel
 from specray.actors.target import TargetWorker, kv_capacity, resolve_device
 from specray.actors.transport import (
     CupyNcclChannel,
@@ -165,9 +167,12 @@ class _Channels:
     torch.distributed gloo between CPU processes."""
 
     @staticmethod
-    def make(kind: str, rank_in_pair: int, device: torch.device, unique_id=None, peer: int | None = None):
+    def make(kind: str, rank_in_pair: int, device: torch.device, unique_id=None, peer: int | None = None,
+             timeout_s: float | None = None):
         if kind == "nccl":
             return CupyNcclChannel(unique_id, rank_in_pair, device)
+        if isinstance(unique_id, str):  # a rendezvous address: a gloo pair of their own (pair_channel.py)
+            return PairChannel(unique_id, rank_in_pair, timeout_s)
         return TorchP2PChannel(peer, "cpu")
 
 
@@ -336,19 +341,28 @@ class TargetRank:
 
     # rank 0
     def start_engine(self, num_target_blocks: int, num_draft_blocks: int | None, drafter_mode: str,
-                     channel_kind: str | None = None, unique_id=None, drafter_rank: int | None = None) -> None:
+                     channel_kind: str | None = None, unique_id=None, drafter_rank: int | None = None,
+                     drafter_handle=None, placement_group=None, drafter_bundle: int | None = None) -> None:
+        """``drafter_handle`` (with the ``placement_group`` and its bundle
+        index): the separate drafter's actor, replaced when it is lost."""
         from specray.detokenizer import load_tokenizer
         from specray.engine import EngineCore
         from specray.engine_loop import EngineLoop
 
         target = TPDriver(self.worker, self.tp_group)
-        drafter = None
+        drafter = restart = None
         if drafter_mode == "colocated":
             drafter = self._local_drafter()
             drafter.init_cache(num_draft_blocks, self.config.kv_block_size)
+            restart = LocalDrafterRestart(functools.partial(self._new_local_drafter, num_draft_blocks))
         elif drafter_mode == "separate":
-            channel = _Channels.make(channel_kind, 0, self.device, unique_id, drafter_rank)
+            channel = _Channels.make(channel_kind, 0, self.device, unique_id, drafter_rank,
+                                     timeout_s=self.config.drafter_timeout_s)
             drafter = RemoteDrafter(channel, self.device)
+            if drafter_handle is not None:
+                restart = RemoteDrafterRestart(drafter_handle, self.config, self.max_model_len, num_draft_blocks,
+                                               channel_kind, placement_group, drafter_bundle, self.device,
+                                               unique_id if isinstance(unique_id, str) else None)
         core = EngineCore(
             self.config, self.spec, self.drafter_spec, target, drafter, load_tokenizer(self.config.target),
             self.max_model_len, num_target_blocks, num_draft_blocks,
@@ -361,11 +375,26 @@ class TargetRank:
                                  want_hidden=drafter is not None, tree=core.tree is not None)
 
         def on_stop():
-            target.stop()
-            if isinstance(drafter, RemoteDrafter):
-                drafter.stop()
+            try:
+                current = getattr(core.drafter, "inner", None)  # a lost one may have been replaced
+                if isinstance(current, RemoteDrafter):
+                    current.stop()
+            finally:
+                if restart is not None:
+                    restart.close()
+                target.stop()
 
-        self.loop = EngineLoop(core, on_stop=on_stop)
+        self.loop = EngineLoop(core, on_stop=on_stop, restart_drafter=restart,
+                               restart_inline=drafter_mode == "colocated")
+
+    def _new_local_drafter(self, num_draft_blocks: int) -> DrafterWorker:
+        self._drafter = None  # the lost one's memory goes first
+        drafter = self._local_drafter()
+        drafter.init_cache(num_draft_blocks, self.config.kv_block_size)
+        if self.config.cuda_graphs and self.tp_size == 1:
+            drafter.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size,
+                                         self.config.draft_block_size(drafter.spec.block_size))
+        return drafter
 
     def submit(self, items):
         self.calls["submit"] += 1

@@ -39,6 +39,7 @@ from specray.detokenizer import (
     stop_holdback,
 )
 from specray.draft_tree import accept_greedy, kv_moves, load_universe, path_tokens
+from specray.faults import fail_request, format_error
 from specray.kernels import ops
 from specray.logprobs import LogprobRows
 from specray.penalties import penalize
@@ -444,7 +445,10 @@ class EngineCore:
             # the host's view when the step was launched (it is now).
             num_drafts = self.scheduler.block_len(r) - 1
             r.metrics.num_lookup_steps += looked_up
-            outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+            try:
+                outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+            except Exception as e:
+                outputs.append(fail_request(self, r, format_error(e)))
         return self._forget_finished(outputs)
 
     def _emit(self, r: Request, drafts: list[int], a: int, bonus: int, num_drafts: int,
@@ -736,8 +740,11 @@ class EngineCore:
         for s, d in enumerate(decode):
             r = d.request
             a, start = n_acc[s], r.num_computed
-            outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1,
-                                      logprobs=logprobs.get(r.request_id)))
+            try:
+                outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1,
+                                          logprobs=logprobs.get(r.request_id)))
+            except Exception as e:  # its own host code: it fails alone (faults.py)
+                outputs.append(fail_request(self, r, format_error(e)))
             kept = 0 if r.finished else a + 1
             if self.drafter is not None:
                 # The block rows of the anchor and the accepted drafts, in
@@ -766,8 +773,12 @@ class EngineCore:
             self.scheduler.commit(r, p.end, keep=p.end + self.block_size if chained else None)
             # A resumed request's re-prefill adds no token: nothing to report.
             if p.samples_first_token:
-                self._append(r, [next(first_iter)], logprobs.get(r.request_id))
-                outputs.append(self._output(r))
+                first = next(first_iter)
+                try:
+                    self._append(r, [first], logprobs.get(r.request_id))
+                    outputs.append(self._output(r))
+                except Exception as e:
+                    outputs.append(fail_request(self, r, format_error(e)))
         if chained:  # stored before the chain's first step was launched
             return self._forget_finished(outputs)
         if whole:

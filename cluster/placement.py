@@ -162,12 +162,12 @@ def start_engine_actors(
 
 def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement) -> None:
     ranks, drafter = actors.ranks, actors.drafter
-    # Process group: TP ranks, plus a CPU drafter (it talks gloo to rank 0).
-    drafter_in_world = separate and not gpu
-    world = tp + int(drafter_in_world)
+    # Process group: the TP ranks. A CPU drafter pairs with rank 0 over a
+    # gloo group of their own (pair_channel.py), so that a new one can.
+    world = tp
     init_method = None
     if world > 1:
-        members = ranks + ([drafter] if drafter_in_world else [])
+        members = ranks
         if len(set(ray.get([a.node_id.remote() for a in members]))) == 1:
             # One node: rendezvous through a file, so no TCP store listens
             # on any interface.
@@ -176,10 +176,7 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
         else:
             ip, port = ray.get(ranks[0].address.remote())
             init_method = f"tcp://{ip}:{port}"
-    calls = [r.init_distributed.remote(init_method, world) for r in ranks]
-    if drafter_in_world:
-        calls.append(drafter.init_distributed.remote(init_method, tp, world, tp))
-    ray.get(calls)
+    ray.get([r.init_distributed.remote(init_method, world) for r in ranks])
 
     colocated = bool(config.drafter) and drafter_placement == "colocated"
     n_target = config.num_kv_blocks
@@ -205,8 +202,14 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
             start_kwargs.update(channel_kind="nccl", unique_id=uid)
             pending.append(drafter.connect.remote("nccl", unique_id=uid))
         else:
-            start_kwargs.update(channel_kind="gloo", drafter_rank=tp)
-            pending.append(drafter.connect.remote("gloo", peer=0))
+            from specray.actors.pair_channel import pair_address
+
+            ends = ray.get([ranks[0].node_id.remote(), drafter.node_id.remote()])
+            ip, port = ray.get(ranks[0].address.remote())
+            address = pair_address(ends[0] == ends[1], ip, port)
+            start_kwargs.update(channel_kind="gloo", unique_id=address)
+            pending.append(drafter.connect.remote("gloo", unique_id=address))
+        start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group, drafter_bundle=tp)
     # NCCL communicators form collectively: both ends must be constructing.
     pending.append(ranks[0].start_engine.remote(**start_kwargs))
     ray.get(pending)
