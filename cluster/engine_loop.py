@@ -194,7 +194,8 @@ class EngineLoop:
                 # A rank of the target is gone: no step can run. Its
                 # requests fail as the engine's (retry elsewhere); the
                 # loop ends, and whoever owns the group rebuilds it.
-                self.failure = format_error(e)
+                with self._cv:
+                    self.failure, self._stopped = format_error(e), True
                 log.error("the target's process group failed:\n%s", self.failure)
                 for out in self._abort_all():
                     out.finish_reason, out.error, out.error_kind = "error", self.failure, "engine"

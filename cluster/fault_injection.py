@@ -1,9 +1,9 @@
 """A test hook: make chosen requests fail inside the step.
 
 ``EngineConfig(extra={"fault_injection": {"seed": 666, "where": "step"}})``
-marks every request whose ``SamplingParams.seed`` is 666 (any transport
-carries a seed, and it does not change a greedy request's tokens). While a
-marked request is running:
+(or a list of such settings) marks every request whose
+``SamplingParams.seed`` is 666 (every transport carries a seed, and it does
+not change a greedy request's tokens). While a marked request is running:
 
 * ``"step"``: the target's forward raises (a step-wide error: the engine
   must find the request by retrying without it);
@@ -18,44 +18,47 @@ from __future__ import annotations
 
 import time
 
+_WHERE = ("step", "nan", "append", "hang")
+
 
 def hooks(engine):
-    """``(before, after)`` for the target's ``GuardedTarget`` (None, None
-    when the engine has no fault injection); an "append" fault is patched
-    into the engine here."""
-    spec = (engine.config.extra or {}).get("fault_injection")
-    if not spec:
+    """``(before, after)`` for the target's ``GuardedTarget`` (None where
+    nothing is injected there); "append" faults are patched into the
+    engine here."""
+    specs = (engine.config.extra or {}).get("fault_injection")
+    if not specs:
         return None, None
-    if not isinstance(spec, dict) or spec.get("where") not in ("step", "nan", "append", "hang"):
-        raise ValueError(f"fault_injection must be {{'seed': int, 'where': 'step' | 'nan' | 'append' | 'hang'}}, "
-                         f"got {spec!r}")
-    seed, where = spec.get("seed"), spec["where"]
+    specs = specs if isinstance(specs, list) else [specs]
+    for spec in specs:
+        if not isinstance(spec, dict) or spec.get("where") not in _WHERE or "seed" not in spec:
+            raise ValueError(f"fault_injection takes {{'seed': int, 'where': one of {_WHERE}}} (or a list of them), "
+                             f"got {spec!r}")
 
-    def marked(r) -> bool:
-        return r.params.seed == seed
+    def running(where: str):
+        seeds = {s["seed"] for s in specs if s["where"] == where}
+        return [r for r in engine.scheduler.running if r.params.seed in seeds]
 
-    def any_running() -> bool:
-        return any(marked(r) for r in engine.scheduler.running)
-
-    if where == "append":
+    failing = {s["seed"] for s in specs if s["where"] == "append"}
+    if failing:
         append = engine._append
 
         def failing_append(r, tokens, logprobs=None):
-            if marked(r):
+            if r.params.seed in failing:
                 raise RuntimeError(f"injected failure appending to request {r.request_id}")
             return append(r, tokens, logprobs)
 
         engine._append = failing_append
-        return None, None
-    if where == "nan":
-        return None, lambda logits: logits * float("nan") if any_running() else logits
 
     def before(batch):
-        if not any_running():
-            return
-        if where == "hang":
-            time.sleep(float(spec.get("hang_s", 3600)))
-        else:
+        hung = running("hang")
+        if hung:
+            seed = hung[0].params.seed
+            time.sleep(float(next(s.get("hang_s", 3600) for s in specs if s["seed"] == seed)))
+        if running("step"):
             raise RuntimeError("injected step failure")
 
-    return before, None
+    def after(logits):
+        return logits * float("nan") if running("nan") else logits
+
+    wheres = {s["where"] for s in specs}
+    return (before if wheres & {"step", "hang"} else None), (after if "nan" in wheres else None)

@@ -225,11 +225,12 @@ class DrafterState:
     state: str = "up"  # up | down (autoregressive steps, a new drafter on its way) | failed (given up) | none
     losses: int = 0
     restarts: int = 0
+    reseeded: int = 0  # positions whose context the last new drafter was given
     since: float = field(default_factory=time.monotonic)
     error: str | None = None
 
     def as_dict(self) -> dict:
-        return {"state": self.state, "losses": self.losses, "restarts": self.restarts,
+        return {"state": self.state, "losses": self.losses, "restarts": self.restarts, "reseeded": self.reseeded,
                 "for_s": round(time.monotonic() - self.since, 3), "error": self.error}
 
 
@@ -416,6 +417,7 @@ class FaultHandler:
         engine.config.async_scheduling = self._async
         self.drafter.state, self.drafter.since = "up", time.monotonic()
         self.drafter.restarts += 1
+        self.drafter.reseeded = n
         log.warning("a new drafter is up: %d positions of %d requests re-seeded in %.2f s", n,
                     len(engine.scheduler.running), time.monotonic() - t)
         return []
