@@ -11,6 +11,10 @@ not change a greedy request's tokens). While a marked request is running:
 * ``"append"``: appending its own tokens raises (its host code);
 * ``"hang"``: the target's forward sleeps ``hang_s`` seconds (a stuck step).
 
+And, for every request, ``{"where": "pace_degraded", "step_s": 0.25}``:
+steps take at least ``step_s`` while the engine has no drafter, so that a
+test's requests outlast a new drafter's start.
+
 Nothing is installed without the setting.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-_WHERE = ("step", "nan", "append", "hang")
+_WHERE = ("step", "nan", "append", "hang", "pace_degraded")
 
 
 def hooks(engine):
@@ -30,15 +34,17 @@ def hooks(engine):
         return None, None
     specs = specs if isinstance(specs, list) else [specs]
     for spec in specs:
-        if not isinstance(spec, dict) or spec.get("where") not in _WHERE or "seed" not in spec:
+        if not isinstance(spec, dict) or spec.get("where") not in _WHERE or \
+                ("seed" not in spec and spec.get("where") != "pace_degraded"):
             raise ValueError(f"fault_injection takes {{'seed': int, 'where': one of {_WHERE}}} (or a list of them), "
                              f"got {spec!r}")
 
     def running(where: str):
-        seeds = {s["seed"] for s in specs if s["where"] == where}
+        seeds = {s.get("seed") for s in specs if s["where"] == where}
         return [r for r in engine.scheduler.running if r.params.seed in seeds]
 
     failing = {s["seed"] for s in specs if s["where"] == "append"}
+    pace = max((float(s.get("step_s", 0.25)) for s in specs if s["where"] == "pace_degraded"), default=0.0)
     if failing:
         append = engine._append
 
@@ -50,10 +56,12 @@ def hooks(engine):
         engine._append = failing_append
 
     def before(batch):
+        if pace and engine.drafter is None:
+            time.sleep(pace)
         hung = running("hang")
         if hung:
             seed = hung[0].params.seed
-            time.sleep(float(next(s.get("hang_s", 3600) for s in specs if s["seed"] == seed)))
+            time.sleep(float(next(s.get("hang_s", 3600) for s in specs if s.get("seed") == seed)))
         if running("step"):
             raise RuntimeError("injected step failure")
 
@@ -61,4 +69,4 @@ def hooks(engine):
         return logits * float("nan") if running("nan") else logits
 
     wheres = {s["where"] for s in specs}
-    return (before if wheres & {"step", "hang"} else None), (after if "nan" in wheres else None)
+    return (before if wheres & {"step", "hang", "pace_degraded"} else None), (after if "nan" in wheres else None)

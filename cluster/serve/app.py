@@ -623,7 +623,8 @@ class SpecRayServer:
         rid = request.request_id or engine_rid
         tracker = RequestTracker(self.metrics, start)
         try:
-            left = grpc_context.time_remaining() if grpc_context is not None else None
+            remaining = getattr(grpc_context, "time_remaining", None)  # Serve's context has none (2.60)
+            left = remaining() if callable(remaining) else None
             lease.start(prompt, params, engine_rid, self._timeout(left if left and left > 0 else None))
             try:
                 while True:
