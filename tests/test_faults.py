@@ -270,3 +270,37 @@ def test_health_and_error_mapping():
     assert b"[DONE]" not in b"".join(chunks) and b'"engine_unavailable"' in chunks[-1]
     assert P.exception_error(EngineUnavailable("lost")).status == 503
     assert P.output_error(dataclasses.replace(out, error_kind="request")).status == 500
+
+
+def test_batch_rows_of_a_lost_engine_are_marked_to_run_again():
+    """A batch the engine lost a worker under comes back as error rows of
+    stage "unavailable" (a rerun runs them again); a row that failed alone
+    is the engine's error of that row."""
+    from specray.batch import Replica
+    from specray.faults import EngineUnavailable
+    from specray.request import RequestMetrics, RequestOutput
+
+    class Lost:
+        tokenizer, engine = None, None
+
+        def generate(self, prompts, params, errors="raise"):
+            raise EngineUnavailable("the engine lost a worker and is being rebuilt (ActorDiedError: ...)")
+
+    class OneFails(Lost):
+        def generate(self, prompts, params, errors="raise"):
+            assert errors == "return"
+            return [RequestOutput(str(i), p, [1], "hi", [2, 3], True, "error" if p == "bad" else "length",
+                                  RequestMetrics(), error="Traceback ...\nRuntimeError: boom" if p == "bad" else None)
+                    for i, p in enumerate(prompts)]
+
+    rows = [{"line": i + 1, "id_json": f'"r{i}"', "task": f'{{"prompt": "{p}", "params": {{"max_tokens": 4}}}}'}
+            for i, p in enumerate(["a", "bad", "c"])]
+    replica = Replica.__new__(Replica)
+    replica.llm = Lost()
+    out = replica.run(rows)
+    assert [(r["error_stage"], r["error"].startswith("the engine was unavailable")) for r in out] == \
+        [("unavailable", True)] * 3
+    replica.llm = OneFails()
+    out = replica.run(rows)
+    assert [r["error"] for r in out] == [None, "the engine failed this row: RuntimeError: boom", None]
+    assert [r["error_stage"] for r in out] == [None] * 3 and out[0]["text"] == "hi"
