@@ -12,6 +12,7 @@ calls these; the engine steps autoregressively meanwhile).
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("specray.drafter_restart")
 
@@ -22,7 +23,11 @@ class RemoteDrafterRestart:
         self.handle, self.config, self.max_model_len = handle, config, max_model_len
         self.num_draft_blocks, self.channel_kind = num_draft_blocks, channel_kind
         self.placement_group, self.bundle_index, self.device = placement_group, bundle_index, device
-        self.address = address  # the current pairing's rendezvous (a file store's directory to remove)
+        self.address = address  # the current pairing's rendezvous (a file store to remove)
+        # New pairings' file stores go beside the first one's, in the directory
+        # the engine's owner removes with its placement group.
+        self.directory = os.path.dirname(address[len("file://"):]) if address and address.startswith("file://") \
+            else None
         self.loop_ref = None
         self.created = []  # handles of the actors made here
 
@@ -61,7 +66,7 @@ class RemoteDrafterRestart:
             else:
                 same = ray.get(new.node_id.remote(), timeout=timeout) == node_id()
                 ip, port = free_address()
-                self.address = pair_address(same, ip, port)
+                self.address = pair_address(same, ip, port, self.directory)
                 pending = new.connect.remote("gloo", unique_id=self.address)
                 channel = _Channels.make("gloo", 0, self.device, self.address,
                                          timeout_s=self.config.drafter_timeout_s)

@@ -25,17 +25,31 @@ from specray.actors.transport import HEADER_LEN, decode_header, encode_header
 _IDLE = datetime.timedelta(days=365)
 
 
-def pair_address(same_node: bool, host: str = "127.0.0.1", port: int | None = None) -> str:
-    """Where the two ends meet: a file store on one node (nothing listens),
+def pair_address(same_node: bool, host: str = "127.0.0.1", port: int | None = None,
+                 directory: str | None = None) -> str:
+    """Where the two ends meet: a file store on one node (nothing listens;
+    in ``directory``, which its owner removes, or a directory of its own),
     else a TCP store on rank 0's ``host``:``port``."""
     if same_node:  # the directory is made where the channel is
-        return "file://" + os.path.join(tempfile.gettempdir(), f"specray-pair-{uuid.uuid4().hex}", "store")
+        name = f"specray-pair-{uuid.uuid4().hex}"
+        if directory is not None:
+            return "file://" + os.path.join(directory, name)
+        return "file://" + os.path.join(tempfile.gettempdir(), name, "store")
     return f"tcp://{host}:{port}"
 
 
 def remove_address(address: str) -> None:
-    if address.startswith("file://"):
-        shutil.rmtree(os.path.dirname(address[len("file://"):]), ignore_errors=True)
+    """A pairing's file store (and its directory, when it has its own)."""
+    if not address.startswith("file://"):
+        return
+    path = address[len("file://"):]
+    if os.path.basename(path) == "store":
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    else:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 class PairChannel:

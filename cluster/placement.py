@@ -206,7 +206,9 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
 
             ends = ray.get([ranks[0].node_id.remote(), drafter.node_id.remote()])
             ip, port = ray.get(ranks[0].address.remote())
-            address = pair_address(ends[0] == ends[1], ip, port)
+            if ends[0] == ends[1] and actors.rendezvous_dir is None:
+                actors.rendezvous_dir = tempfile.mkdtemp(prefix="specray-pg-")
+            address = pair_address(ends[0] == ends[1], ip, port, actors.rendezvous_dir)
             start_kwargs.update(channel_kind="gloo", unique_id=address)
             pending.append(drafter.connect.remote("gloo", unique_id=address))
         start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group, drafter_bundle=tp)

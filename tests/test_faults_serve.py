@@ -190,6 +190,24 @@ def completed(r: dict) -> bool:
     return r["status"] == 200 and data[-1] == "[DONE]" and not any('"error"' in d for d in data)
 
 
+def metric(name: str, timeout_s: float = 60.0, want=lambda v: True) -> float:
+    """A specray metric's value on this node's Prometheus endpoint, once
+    ``want`` holds for it (Ray exports every few seconds)."""
+    import urllib.request
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    end, value = time.monotonic() + timeout_s, None
+    while time.monotonic() < end:
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            if line.startswith(f"ray_{name}") and not line.startswith("#"):
+                value = float(line.rsplit(" ", 1)[1])
+        if value is not None and want(value):
+            return value
+        time.sleep(2)
+    raise AssertionError(f"{name} = {value}")
+
+
 # -------------------------------------------------------------------- tests
 def test_drafter_killed_with_8_streams_in_flight(app):
     base = app["base"]
@@ -218,6 +236,8 @@ def test_drafter_killed_with_8_streams_in_flight(app):
     assert set(seen) <= {"ok", "degraded"}  # never unavailable: the replica served throughout
     st = serve.get_app_handle(APP).engine_stats.remote().result()
     assert st["drafter"]["losses"] == 1 and st["drafter"]["restarts"] == 1 and st["drafter"]["reseeded"] > 0
+    assert metric("specray_drafter_losses", want=lambda v: v >= 1) == 1
+    assert metric("specray_drafter_up", want=lambda v: v == 1) == 1
     # later requests speculate again: what the run before the kill drafted
     later = asyncio.run(streams(base, bodies))
     assert [r["text"] for r in later] == [r["text"] for r in baseline]
