@@ -176,11 +176,14 @@ class _RayCore:
         raise EngineUnavailable("the engine lost a worker twice while taking requests")
 
     async def aabort(self, ids):
-        epoch, actors = self.group.epoch, self.group.actors
+        actors = self.group.actors
         try:
             await actors.driver.abort.remote(ids)
         except self._dead:
             pass  # its requests are gone with it
+        except Exception:
+            if self.group.state == "ok":
+                raise  # a lost group's requests are gone with it
 
     async def aget_outputs(self, epoch, cursor, timeout):
         """``epoch`` None: the live group's (after a rebuild, if one runs)."""
@@ -216,12 +219,16 @@ class _RayCore:
             return base
         epoch, actors = g.epoch, g.actors
         try:
-            self.check_workers()
+            self.check_workers()  # a follower found gone is recorded there
             stats = self.ray.get(actors.driver.stats.remote(), timeout=timeout)
         except self.ray.exceptions.GetTimeoutError:
             return {**base, "engine": "unresponsive"}
-        except Exception as e:
+        except self._dead as e:
             self._lost(epoch, e)
+            return {**base, "engine": g.state, "failure": g.failure}
+        except Exception as e:
+            if g.state == "ok":
+                raise
             return {**base, "engine": g.state, "failure": g.failure}
         if stats.get("loop") == "failed":
             self._lost(epoch, RuntimeError(stats.get("failure") or "rank 0's step loop failed"))

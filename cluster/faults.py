@@ -254,7 +254,6 @@ class FaultHandler:
         self.drafter = DrafterState("up" if engine.drafter is not None else "none")
         self._loss_times: deque[float] = deque()
         self._pending = None  # a restart: {"thread", "result", "error"}
-        self._lock = threading.Lock()
         if engine.drafter is not None and not isinstance(engine.drafter, GuardedDrafter):
             engine.drafter = GuardedDrafter(engine.drafter)
         before, after = hooks(engine)
@@ -300,9 +299,8 @@ class FaultHandler:
         one whose step fails again is found; it fails alone."""
         engine = self.engine
         engine._inflight = None  # its rows are recomputed by the retried steps
-        error = format_error(exc)
         suspects = list(engine.scheduler.running)
-        log.warning("engine step failed; isolating the request among %d:\n%s", len(suspects), error)
+        log.warning("engine step failed; isolating the request among %d:\n%s", len(suspects), format_error(exc))
         if not suspects:
             raise exc
         outputs: list[RequestOutput] = []
@@ -313,8 +311,8 @@ class FaultHandler:
                 suspects = [r for r in rest if r.status == Status.RUNNING]
             except GroupLost:
                 raise
-            except Exception as e:
-                error, suspects = format_error(e), half
+            except Exception:
+                suspects = half
         for r in suspects:
             if r.status != Status.RUNNING:
                 continue
@@ -323,8 +321,9 @@ class FaultHandler:
             except GroupLost:
                 raise
             except Exception as e:
-                log.error("request %s failed alone:\n%s", r.request_id, format_error(e))
-                outputs.append(fail_request(engine, r, f"the engine failed a step of this request:\n{format_error(e)}"))
+                error = format_error(e)
+                log.error("request %s failed alone:\n%s", r.request_id, error)
+                outputs.append(fail_request(engine, r, f"the engine failed a step of this request:\n{error}"))
         return outputs
 
     def _step_only(self, subset: list) -> list[RequestOutput]:

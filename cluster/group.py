@@ -17,6 +17,7 @@ import asyncio
 import logging
 import threading
 import time
+import traceback
 
 from specray.faults import EngineUnavailable, format_error
 
@@ -61,7 +62,7 @@ class EngineGroup:
         try:
             old.shutdown(timeout_s=5.0)
         except Exception:
-            log.warning("shutting the lost group down failed:\n%s", format_error_now())
+            log.warning("shutting the lost group down failed:\n%s", traceback.format_exc())
         error = None
         for attempt in range(self.max_attempts if self.start is not None else 0):
             if self.state == "closed":
@@ -114,9 +115,3 @@ class EngineGroup:
             self.state = "closed"
             self._ready.set()
             return self.actors
-
-
-def format_error_now() -> str:
-    import traceback
-
-    return traceback.format_exc()

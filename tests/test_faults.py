@@ -16,7 +16,7 @@ from specray import LLM, SamplingParams
 from specray.actors.drafter import DrafterWorker
 from specray.config import EngineConfig
 from specray.engine_loop import EngineLoop
-from specray.faults import FaultHandler, reseed
+from specray.faults import reseed
 from specray.llm import build_engine
 from specray.serve import health as H
 from specray.serve import protocol as P
@@ -87,7 +87,8 @@ def test_a_request_that_breaks_the_step_fails_alone(models, want, where):
     assert [o.finish_reason for o in got] == ["length"] * 3 + ["error"] + ["length"] * 4
     assert [o.token_ids for i, o in enumerate(got) if i != 3] == [w for i, w in enumerate(want) if i != 3]
     assert got[3].error_kind == "request"
-    assert {"step": "injected step failure", "nan": "NaN", "append": "injected failure appending"}[where] in got[3].error
+    why = {"step": "injected step failure", "nan": "NaN", "append": "injected failure appending"}[where]
+    assert why in got[3].error
     assert not llm.engine.has_unfinished() and pools_free(llm.engine)
     with pytest.raises(RuntimeError, match="the engine failed a step"):  # the default: raise
         llm.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, params[3]])
