@@ -93,14 +93,11 @@ def wait_drafter_up(llm, timeout_s=60.0) -> dict:
 
 
 def drafter_steps(llm) -> int:
-    """Proposals the drafter that rank 0 uses now has served."""
+    """Proposals the drafter actor that rank 0 started last has served."""
     def steps(self):
         import ray as _ray
 
-        handle = self.loop.faults.restart.handle
-        if handle is None:  # colocated: counted by its wrapper
-            return -1
-        return _ray.get(handle.__ray_call__.remote(lambda d: d.num_steps))
+        return _ray.get(self.loop.faults.restart.handle.__ray_call__.remote(lambda d: d.num_steps))
 
     return ray.get(llm._core.driver.__ray_call__.remote(steps))
 
