@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from specray.actors.drafter import DrafterWorker
+from specray.actors.drafter_restart import LocalDrafterRestart, RemoteDrafterRestart
 from specray.actors.models.layers import TPContext
+from specray.actors.pair_channel import PairChannel
 from specray.actors.target import TargetWorker, kv_capacity, resolve_device
 from specray.actors.transport import (
     CupyNcclChannel,
     SplitChannel,
-    TorchP2PChannel,
     broadcast_message,
     nccl_unique_id,
     receive_broadcast,
@@ -81,8 +82,8 @@ def node_id() -> str:
 
 
 def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int, device: torch.device):
-    """Join the engine's process group (TP ranks 0..tp-1, then the drafter
-    if it runs apart) and return the TP subgroup (None for the drafter)."""
+    """Join the engine's process group (the TP ranks; a separate drafter
+    pairs with rank 0 apart: pair_channel.py) and return the TP subgroup."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if init_method.startswith("file://"):
         # All ranks share this node: gloo's pairs listen on loopback only.
@@ -90,9 +91,7 @@ def init_distributed(init_method: str, rank: int, world_size: int, tp_size: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    # new_group is collective over the whole world, drafter included.
-    tp_group = dist.new_group(list(range(tp_size)))
-    return tp_group if rank < tp_size else None
+    return dist.new_group(list(range(tp_size)))
 
 
 def cpu_threads(device: torch.device) -> None:
@@ -122,14 +121,16 @@ def exit_on_failure(serve):
     return run
 
 
-def drafter_channel(kind: str, rank_in_pair: int, device: torch.device, peer: int, unique_id=None):
-    """How rank 0 and a separate drafter talk: torch.distributed gloo
-    between CPU processes; between GPUs, headers over gloo and tensors over
-    NCCL via CuPy (both are in the engine's process group, whose CPU
-    tensors go over gloo)."""
-    host = TorchP2PChannel(peer, "cpu", tag=1)
-    data = CupyNcclChannel(unique_id, rank_in_pair, device) if kind == "nccl" else TorchP2PChannel(peer, "cpu")
-    return SplitChannel(host, data)
+def drafter_channel(kind: str, rank_in_pair: int, device: torch.device, address: str, unique_id=None,
+                    timeout_s: float | None = None) -> SplitChannel:
+    """How rank 0 and a separate drafter talk: message headers (and on CPUs
+    the tensors too, under another tag) over a gloo pair of their own
+    (pair_channel.py: not the engine's process group, so a new drafter can
+    pair again, and rank 0's waits have a timeout); between GPUs the
+    tensors over NCCL via CuPy (``unique_id``)."""
+    pair = PairChannel(address, rank_in_pair, timeout_s)
+    data = CupyNcclChannel(unique_id, rank_in_pair, device) if kind == "nccl" else pair.tagged(0)
+    return SplitChannel(pair.tagged(1), data)
 
 
 # ------------------------------------------------------------ the drafter
@@ -207,9 +208,6 @@ class DrafterActor:
         self._step_graphs: dict = {}
         self._step_buffers: dict = {}
 
-    def init_distributed(self, init_method: str, rank: int, world_size: int, tp_size: int) -> None:
-        init_distributed(init_method, rank, world_size, tp_size, self.device)
-
     def node_id(self) -> str:
         return node_id()
 
@@ -226,8 +224,8 @@ class DrafterActor:
         if self.config.draft_tree is not False and tree_unsupported(block, self.target_spec.layer_window) is None:
             self.worker.tree = load_universe(self.spec.path, block - 1).to(self.device)
 
-    def connect(self, kind: str, peer: int, unique_id=None) -> None:
-        self.channel = drafter_channel(kind, 1, self.device, peer, unique_id)
+    def connect(self, kind: str, address: str, unique_id=None) -> None:
+        self.channel = drafter_channel(kind, 1, self.device, address, unique_id)
 
     @exit_on_failure
     def serve(self) -> int:
@@ -393,19 +391,28 @@ class TargetRank:
 
     # rank 0
     def start_engine(self, num_target_blocks: int, num_draft_blocks: int | None, drafter_mode: str,
-                     channel_kind: str | None = None, unique_id=None, drafter_rank: int | None = None) -> None:
+                     channel_kind: str | None = None, unique_id=None, address: str | None = None,
+                     drafter_handle=None, placement_group=None, drafter_bundle: int | None = None) -> None:
+        """``drafter_handle`` (with the ``placement_group`` and its bundle
+        index): the separate drafter's actor, replaced when it is lost."""
         from specray.detokenizer import load_tokenizer
         from specray.engine import EngineCore
         from specray.engine_loop import EngineLoop
 
         target = TPDriver(self.worker, self.tp_group)
-        drafter = None
+        drafter = restart = None
         if drafter_mode == "colocated":
             drafter = self._local_drafter()
             drafter.init_cache(num_draft_blocks, self.config.kv_block_size)
+            restart = LocalDrafterRestart(functools.partial(self._new_local_drafter, num_draft_blocks))
         elif drafter_mode == "separate":
-            channel = drafter_channel(channel_kind, 0, self.device, drafter_rank, unique_id)
+            channel = drafter_channel(channel_kind, 0, self.device, address, unique_id,
+                                      timeout_s=self.config.drafter_timeout_s)
             drafter = RemoteDrafter(channel, self.device)
+            if drafter_handle is not None:
+                restart = RemoteDrafterRestart(drafter_handle, self.config, self.max_model_len, num_draft_blocks,
+                                               channel_kind, placement_group, drafter_bundle, self.device,
+                                               address)
         core = EngineCore(
             self.config, self.spec, self.drafter_spec, target, drafter, load_tokenizer(self.config.target),
             self.max_model_len, num_target_blocks, num_draft_blocks,
@@ -418,11 +425,26 @@ class TargetRank:
                                  want_hidden=drafter is not None, tree=core.tree is not None)
 
         def on_stop():
-            target.stop()
-            if isinstance(drafter, RemoteDrafter):
-                drafter.stop()
+            try:
+                current = getattr(core.drafter, "inner", None)  # a lost one may have been replaced
+                if isinstance(current, RemoteDrafter):
+                    current.stop()
+            finally:
+                if restart is not None:
+                    restart.close()
+                target.stop()
 
-        self.loop = EngineLoop(core, on_stop=on_stop)
+        self.loop = EngineLoop(core, on_stop=on_stop, restart_drafter=restart,
+                               restart_inline=drafter_mode == "colocated")
+
+    def _new_local_drafter(self, num_draft_blocks: int) -> DrafterWorker:
+        self._drafter = None  # the lost one's memory goes first
+        drafter = self._local_drafter()
+        drafter.init_cache(num_draft_blocks, self.config.kv_block_size)
+        if self.config.cuda_graphs and self.tp_size == 1:
+            drafter.enable_decode_graphs(self.config.max_num_seqs, self.config.kv_block_size,
+                                         self.config.draft_block_size(drafter.spec.block_size))
+        return drafter
 
     def submit(self, items):
         self.calls["submit"] += 1

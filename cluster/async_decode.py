@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import block_table_tensor
+from specray.faults import fail_request, format_error
 from specray.request import Request, RequestOutput
 from specray.sampling import SamplingTensors, any_filter, seed_keys
 from specray.staging import host_to_device
@@ -448,5 +449,8 @@ class AsyncSteps:
             # the host's view when the step was launched (it is now).
             num_drafts = self.scheduler.block_len(r) - 1 if step.spec else 0
             r.metrics.num_lookup_steps += looked_up
-            outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+            try:
+                outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+            except Exception as e:  # its own host code: it fails alone (faults.py)
+                outputs.append(fail_request(self, r, format_error(e)))
         return self._forget_finished(outputs)

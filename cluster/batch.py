@@ -43,7 +43,8 @@ already done", which resume needs.)
 Resume: see ``specray.batch_io`` (the output is the record of what is done).
 Rows are matched by id, never by line: on a rerun the errors file is
 rewritten to describe the current input (its input errors, and the engine
-errors of ids it still holds; ``--retry-errors`` drops those), and the
+errors of ids it still holds; ``--retry-errors`` drops those; rows of stage
+"unavailable", cut by a lost engine worker, always run again), and the
 summary records the settings, so a resumed job can say which changed.
 """
 
@@ -75,12 +76,25 @@ from specray.batch_io import (
 from specray.cli import add_model_args, drafting_args
 from specray.config import ConfigError
 from specray.detokenizer import chat_prompt_ids
+from specray.faults import EngineUnavailable
 from specray.request import PromptsRefused
+
+
+def _reason(out) -> str:
+    """A failed row's reason: the last line of its engine error."""
+    lines = [ln for ln in (out.error or "").splitlines() if ln.strip()]
+    return f"the engine failed this row: {lines[-1].strip() if lines else out.finish_reason}"[:1000]
+
+
+def _unavailable(base: dict, e: Exception) -> dict:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return {**base, "error": f"the engine was unavailable: {lines[0] if lines else e}"[:1000],
+            "error_stage": "unavailable"}
 
 
 # =================================================================== replica
 RESULT_COLUMNS = ("line", "id_json", "text", "prompt_tokens", "completion_tokens", "finish_reason",
-                  "mean_acceptance_length", "decode_steps", "accepted_sum", "error")
+                  "mean_acceptance_length", "decode_steps", "accepted_sum", "error", "error_stage")
 
 
 def _result_schema():
@@ -90,15 +104,17 @@ def _result_schema():
         ("line", pa.int64()), ("id_json", pa.string()), ("text", pa.string()),
         ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("finish_reason", pa.string()),
         ("mean_acceptance_length", pa.float64()), ("decode_steps", pa.int64()), ("accepted_sum", pa.int64()),
-        ("error", pa.string()),
+        ("error", pa.string()), ("error_stage", pa.string()),
     ])
 
 
 class Replica:
     """One engine replica inside a Ray Data actor: builds its ``LLM`` once,
     then runs whole batches through one ``generate`` call each. Rows the
-    engine refuses (too long, template errors, ...) come back as error rows;
-    the rest of the batch runs."""
+    engine refuses (too long, template errors, ...) or that fail alone in it
+    come back as error rows; the rest of the batch runs. A batch the engine
+    lost a worker under comes back as error rows of stage "unavailable",
+    which a rerun runs again (the engine is rebuilt for the next batch)."""
 
     def __init__(self, llm_kwargs: dict, num_threads: int | None = None):
         if num_threads:
@@ -149,7 +165,10 @@ class Replica:
 
         while todo:
             try:
-                outputs = self.llm.generate([p for _, p, _ in todo], [sp for _, _, sp in todo])
+                outputs = self.llm.generate([p for _, p, _ in todo], [sp for _, _, sp in todo], errors="return")
+            except EngineUnavailable as e:
+                out.extend(_unavailable(base, e) for base, _, _ in todo)
+                break
             except PromptsRefused as e:  # (Ray backend) record those, run the others
                 for i, reason in sorted(e.refused, reverse=True):
                     base, _, _ = todo.pop(i)
@@ -165,6 +184,9 @@ class Replica:
                     out.extend(self.run_one(item))
                 break
             for (base, _, _), o in zip(todo, outputs):
+                if o.finish_reason == "error":
+                    out.append({**base, "error": _reason(o)})
+                    continue
                 acc = o.metrics.acceptance_lengths
                 out.append({
                     **base,
@@ -182,9 +204,13 @@ class Replica:
     def run_one(self, item) -> list[dict]:
         base, prompt, params = item
         try:
-            (o,) = self.llm.generate([prompt], [params])
+            (o,) = self.llm.generate([prompt], [params], errors="return")
+        except EngineUnavailable as e:
+            return [_unavailable(base, e)]
         except ValueError as e:
             return [{**base, "error": str(e)}]
+        if o.finish_reason == "error":
+            return [{**base, "error": _reason(o)}]
         acc = o.metrics.acceptance_lengths
         return [{**base, "text": o.text, "prompt_tokens": len(o.prompt_token_ids),
                  "completion_tokens": len(o.token_ids), "finish_reason": o.finish_reason,
@@ -567,7 +593,9 @@ def _execute(args, llm_kwargs, pending, sink, errlog, prog, done: set, done_befo
                         continue
                     done.add(r["id_json"])
                     if r["error"] is not None:
-                        bad.append({"line": r["line"], "id": rid, "stage": "engine", "reason": r["error"]})
+                        # "unavailable": a lost worker's, not the row's: a rerun runs it again
+                        bad.append({"line": r["line"], "id": rid, "stage": r.get("error_stage") or "engine",
+                                    "reason": r["error"]})
                         continue
                     ok.append({"id": rid, "text": r["text"], "prompt_tokens": r["prompt_tokens"],
                                "completion_tokens": r["completion_tokens"], "finish_reason": r["finish_reason"],

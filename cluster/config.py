@@ -391,6 +391,14 @@ class EngineConfig:
     # step times and acceptance say emits more tokens per second. None: on
     # where async steps run with the drafter in rank 0's process.
     adaptive_speculation: bool | None = None
+    # A drafter in another process that does not answer a message within
+    # this many seconds is taken for lost: steps go on without it and a new
+    # one is started (faults.py).
+    drafter_timeout_s: float = 30.0
+    # Fail a step whose target logits hold NaN or infinity (its request is
+    # then found and fails alone) rather than emit what their argmax is.
+    # None: on for the CPU; on a GPU the check costs a sync a step.
+    check_logits: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -415,6 +423,8 @@ class EngineConfig:
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k", "overlap_min_batch"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.drafter_timeout_s < float("inf"):
+            raise ConfigError(f"drafter_timeout_s must be a positive number of seconds, got {self.drafter_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:

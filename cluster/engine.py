@@ -39,6 +39,7 @@ from specray.detokenizer import (
     stop_holdback,
 )
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
+from specray.faults import fail_request, format_error
 from specray.request import Request, RequestOutput, check_prompt_length
 from specray.prompt_lookup import merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors
@@ -406,8 +407,11 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         for s, d in enumerate(decode):
             r = d.request
             a, start = n_acc[s], r.num_computed
-            outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1,
-                                      logprobs=logprobs.get(r.request_id)))
+            try:
+                outputs.append(self._emit(r, drafts[s], a, bonus[s], d.block_len - 1,
+                                          logprobs=logprobs.get(r.request_id)))
+            except Exception as e:  # its own host code: it fails alone (faults.py)
+                outputs.append(fail_request(self, r, format_error(e)))
             kept = 0 if r.finished else a + 1
             if self.drafter is not None:
                 # The block rows of the anchor and the accepted drafts, in
@@ -436,8 +440,12 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
             self.scheduler.commit(r, p.end, keep=p.end + self.block_size if chained else None)
             # A resumed request's re-prefill adds no token: nothing to report.
             if p.samples_first_token:
-                self._append(r, [next(first_iter)], logprobs.get(r.request_id))
-                outputs.append(self._output(r))
+                first = next(first_iter)
+                try:
+                    self._append(r, [first], logprobs.get(r.request_id))
+                    outputs.append(self._output(r))
+                except Exception as e:
+                    outputs.append(fail_request(self, r, format_error(e)))
         if chained:  # stored before the chain's first step was launched
             return self._forget_finished(outputs)
         if whole:

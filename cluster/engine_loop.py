@@ -15,6 +15,7 @@ import time
 import traceback
 
 from specray.engine import EngineCore
+from specray.faults import FaultHandler, GroupLost, format_error
 from specray.request import RequestOutput
 from specray.sampling import SamplingParams
 
@@ -22,7 +23,10 @@ log = logging.getLogger("specray.engine_loop")
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, on_stop=None):
+    """``restart_drafter`` / ``restart_inline``: how a lost drafter is
+    replaced (``faults.FaultHandler``)."""
+
+    def __init__(self, engine: EngineCore, on_stop=None, restart_drafter=None, restart_inline: bool = False):
         self.engine = engine
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
@@ -38,21 +42,31 @@ class EngineLoop:
         self.features = engine.features()
         log.info("engine features: %s", ", ".join(
             f"{k} on" if v["on"] else f"{k} off ({v['reason']})" for k, v in self.features.items()))
+        self.faults = FaultHandler(engine, restart_drafter, restart_inline, wake=self._wake)
+        self.failure: str | None = None  # what ended the loop, when a lost worker did
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ callers
     def submit(self, items: list[tuple]) -> list[Exception | None]:
-        """``items``: ``(prompt, params, request_id)``. Returns, per item,
-        None when queued or the error that rejected it (its type tells the
-        serving layer which HTTP error it is; it pickles across Ray)."""
+        """``items``: ``(prompt, params, request_id)``, or with a fourth
+        element, the seconds the request may take (None: no limit). Returns,
+        per item, None when queued or the error that rejected it (its type
+        tells the serving layer which HTTP error it is; it pickles across
+        Ray)."""
         errors: list[Exception | None] = []
         accepted = []
-        for prompt, params, request_id in items:
+        for item in items:
             try:
+                prompt, params, request_id, timeout = (*item, None) if len(item) == 3 else item
                 if isinstance(params, dict):
                     params = SamplingParams(**params)
+                if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+                    raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
                 req = self.engine.make_request(prompt, params, request_id)
+                if timeout is not None:
+                    req.timeout_s, req.deadline = float(timeout), time.monotonic() + timeout
                 with self._cv:
                     if req.request_id in self._live:
                         raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -63,7 +77,7 @@ class EngineLoop:
                 errors.append(e.with_traceback(None))
         with self._cv:
             if self._stopped:
-                return [RuntimeError("the engine has shut down") for _ in items]
+                return [RuntimeError(self._gone()) for _ in items]
             self._inbox.extend(("add", r) for r in accepted)
             self._cv.notify_all()
         return errors
@@ -96,7 +110,7 @@ class EngineLoop:
             if not self._outbox:
                 # Stopped with nothing left to deliver: pollers (a stream's
                 # pump, generate_sync) must end, not spin on empty answers.
-                raise RuntimeError("the engine has shut down")
+                raise RuntimeError(self._gone())
         if min_batch_s > 0:
             time.sleep(min_batch_s)
         with self._cv:
@@ -109,6 +123,7 @@ class EngineLoop:
         pools = {"target": (sched.target_pool.num_free, sched.target_pool.capacity)}
         if sched.draft_pool is not None:
             pools["drafter"] = (sched.draft_pool.num_free, sched.draft_pool.capacity)
+        started = self._step_started
         return {
             "num_steps": self.num_steps,
             "num_async_steps": self.engine.num_async_steps,
@@ -122,6 +137,11 @@ class EngineLoop:
             "waiting": len(sched.waiting),
             "features": self.features,
             "speculation": self.engine.policy.snapshot() if self.engine.policy is not None else None,
+            # liveness: how long the step now running has run (0: none runs)
+            "step_running_s": 0.0 if started is None else time.monotonic() - started,
+            "loop": "failed" if self.failure else ("stopped" if self._closed else "running"),
+            "failure": self.failure,
+            "drafter": self.faults.drafter.as_dict(),
         }
 
     def num_unfinished(self) -> int:
@@ -141,11 +161,21 @@ class EngineLoop:
         finally:
             self._close()
 
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _gone(self) -> str:
+        if self.failure:
+            return f"the engine is unavailable (a worker was lost):\n{self.failure}"
+        return "the engine has shut down"
+
     def _loop(self) -> None:
-        engine = self.engine
+        engine, faults = self.engine, self.faults
         while True:
             with self._cv:
-                while not self._inbox and not engine.has_unfinished() and not self._stopped:
+                while not self._inbox and not engine.has_unfinished() and not self._stopped and \
+                        not faults.restart_ready():
                     self._cv.wait()
                 if self._stopped:
                     break
@@ -158,29 +188,49 @@ class EngineLoop:
                     out = engine.abort_request(arg)
                     if out is not None:
                         outputs.append(out)
-            if engine.has_unfinished():
-                try:
-                    t = time.perf_counter()
-                    outputs.extend(engine.step())
-                    self.step_time_s += time.perf_counter() - t
+            try:
+                outputs.extend(faults.expire())
+                if engine.has_unfinished():
+                    t = self._step_started = time.monotonic()
+                    outputs.extend(faults.step())
+                    self.step_time_s += time.monotonic() - t
                     self.model_time_s += engine.last_step.propose + engine.last_step.verify
                     self.num_steps += 1
-                except Exception:
-                    # Fail what was in flight, free its blocks, keep serving.
-                    # The traceback travels with the outputs: in a Ray actor
-                    # the log is not where the caller looks.
-                    error = traceback.format_exc()
-                    log.error("engine step failed:\n%s", error)
-                    for out in self._abort_all():
-                        out.finish_reason, out.error = "error", error
-                        outputs.append(out)
-            if outputs:
+                else:
+                    outputs.extend(faults.maintain())
+            except GroupLost as e:
+                # A rank of the target is gone: no step can run. Its
+                # requests fail as the engine's (retry elsewhere); the
+                # loop ends, and whoever owns the group rebuilds it.
                 with self._cv:
-                    for o in outputs:
-                        if o.finished:
-                            self._live.discard(o.request_id)
-                    self._outbox.extend(outputs)
-                    self._cv.notify_all()
+                    self.failure, self._stopped = format_error(e), True
+                log.error("the target's process group failed:\n%s", self.failure)
+                for out in self._abort_all():
+                    out.finish_reason, out.error, out.error_kind = "error", self.failure, "engine"
+                    outputs.append(out)
+                self._publish(outputs)
+                return
+            except Exception:
+                # Outside any step (bookkeeping): fail what was in flight,
+                # keep serving. The traceback travels with the outputs: in a
+                # Ray actor the log is not where the caller looks.
+                error = traceback.format_exc()
+                log.error("engine step failed:\n%s", error)
+                for out in self._abort_all():
+                    out.finish_reason, out.error, out.error_kind = "error", error, "engine"
+                    outputs.append(out)
+            finally:
+                self._step_started = None
+            self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            with self._cv:
+                for o in outputs:
+                    if o.finished:
+                        self._live.discard(o.request_id)
+                self._outbox.extend(outputs)
+                self._cv.notify_all()
 
     def _close(self) -> None:
         # Requests still in flight end as aborted, so their streams finish
@@ -195,8 +245,12 @@ class EngineLoop:
             self._live.clear()
             self._outbox.extend(aborted)
             self._cv.notify_all()
+        self.faults.close()
         if self._on_stop is not None:
-            self._on_stop()
+            try:
+                self._on_stop()
+            except Exception as e:  # a lost worker cannot be told to stop
+                log.warning("stopping the workers failed: %s", str(e).splitlines()[0] if str(e) else repr(e))
 
     def _abort_all(self) -> list[RequestOutput]:
         """End every request the engine holds; their final outputs."""

@@ -158,8 +158,13 @@ class LLM:
         if backend == "inprocess":
             if tensor_parallel_size != 1:
                 raise ConfigError("tensor_parallel_size > 1 needs backend='ray'")
+            from specray.actors.drafter_restart import local_drafter_restart
+            from specray.faults import FaultHandler
+
             self.engine = build_engine(self.config)
             self._tokenizer = self.engine.tokenizer
+            restart = local_drafter_restart(self.engine) if self.engine.drafter is not None else None
+            self._faults = FaultHandler(self.engine, restart, restart_inline=True)
         elif backend == "ray":
             from specray.async_engine import make_core
 
@@ -176,9 +181,15 @@ class LLM:
         self,
         prompts: str | list[int] | Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        errors: str = "raise",
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A prompt is text or a list of token ids.
-        Every prompt is validated before any runs."""
+        Every prompt is validated before any runs. A request that fails
+        alone raises, or with ``errors="return"`` comes back with
+        ``finish_reason="error"`` and its ``error`` (the others ran)."""
+        if errors not in ("raise", "return"):
+            raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
         if isinstance(prompts, (bytes, dict)) or not _iterable(prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
@@ -199,7 +210,7 @@ class LLM:
         if self._core is not None:
             from specray.async_engine import generate_sync
 
-            return generate_sync(self._core, prompts, params)
+            return generate_sync(self._core, prompts, params, errors)
         reqs, bad = [], []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
@@ -214,8 +225,10 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(reqs):
-                for out in self.engine.step():
+                for out in self._faults.step():
                     if out.finished and out.request_id in wanted:
+                        if out.finish_reason == "error" and errors == "raise":
+                            raise RuntimeError(f"the engine failed a step of this generate call:\n{out.error}")
                         done[out.request_id] = out
         except BaseException:
             # Interrupted (Ctrl-C) or a failed step: this call's requests

@@ -176,13 +176,12 @@ def start_engine_actors(
 
 def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement) -> None:
     ranks, drafter = actors.ranks, actors.drafter
-    # Process group: TP ranks, plus a separate drafter (it talks gloo to
-    # rank 0: every message on CPUs, message headers between GPUs).
-    drafter_in_world = separate
-    world = tp + int(drafter_in_world)
+    # Process group: the TP ranks. A separate drafter pairs with rank 0
+    # over a gloo group of their own (pair_channel.py), so that a new one can.
+    world = tp
     init_method = None
     if world > 1:
-        members = ranks + ([drafter] if drafter_in_world else [])
+        members = ranks
         if len(set(ray.get([a.node_id.remote() for a in members]))) == 1:
             # One node: rendezvous through a file, so no TCP store listens
             # on any interface.
@@ -191,10 +190,7 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
         else:
             ip, port = ray.get(ranks[0].address.remote())
             init_method = f"tcp://{ip}:{port}"
-    calls = [r.init_distributed.remote(init_method, world) for r in ranks]
-    if drafter_in_world:
-        calls.append(drafter.init_distributed.remote(init_method, tp, world, tp))
-    ray.get(calls)
+    ray.get([r.init_distributed.remote(init_method, world) for r in ranks])
 
     colocated = bool(config.drafter) and drafter_placement == "colocated"
     n_target = config.num_kv_blocks
@@ -215,9 +211,20 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
                         drafter_mode="separate" if separate else ("colocated" if colocated else "none"))
     pending = []
     if separate:
-        kind, uid = ("nccl", ray.get(ranks[0].nccl_unique_id.remote())) if gpu else ("gloo", None)
-        start_kwargs.update(channel_kind=kind, unique_id=uid, drafter_rank=tp)
-        pending.append(drafter.connect.remote(kind, peer=0, unique_id=uid))
+        from specray.actors.pair_channel import pair_address
+
+        # Headers (and on CPUs everything) over a gloo pair of their own;
+        # between GPUs the tensors over NCCL.
+        uid = ray.get(ranks[0].nccl_unique_id.remote()) if gpu else None
+        kind = "nccl" if gpu else "gloo"
+        ends = ray.get([ranks[0].node_id.remote(), drafter.node_id.remote()])
+        ip, port = ray.get(ranks[0].address.remote())
+        if ends[0] == ends[1] and actors.rendezvous_dir is None:
+            actors.rendezvous_dir = tempfile.mkdtemp(prefix="specray-pg-")
+        address = pair_address(ends[0] == ends[1], ip, port, actors.rendezvous_dir)
+        start_kwargs.update(channel_kind=kind, unique_id=uid, address=address)
+        pending.append(drafter.connect.remote(kind, address, uid))
+        start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group, drafter_bundle=tp)
     # NCCL communicators form collectively: both ends must be constructing.
     pending.append(ranks[0].start_engine.remote(**start_kwargs))
     ray.get(pending)

@@ -80,6 +80,9 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string hit
     error: str | None = None  # finish_reason "error": the failed step's traceback
+    # finish_reason "error": "request" (this request failed alone), "timeout"
+    # (its deadline passed), "engine" (the engine failed under it: retry)
+    error_kind: str | None = None
     # Where ``SamplingParams.logprobs`` asked for them: the entries of
     # ``delta_token_ids`` on every output, and of all of ``token_ids`` on the
     # finished one (None before it).
@@ -107,6 +110,9 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     lookup_index: NgramIndex | None = None  # prompt-lookup drafts (prompt_lookup.py), built on first use
+    # time.monotonic() of the step loop's process past which it fails (faults.py)
+    deadline: float | None = None
+    timeout_s: float | None = None
     # Its row of the async step graphs' token history, and how many of its
     # tokens that row holds for sure (async_decode.HistorySlots).
     history_slot: int | None = None

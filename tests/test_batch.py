@@ -501,6 +501,29 @@ def test_malformed_rows_go_to_the_errors_file(models, head, tmp_path):
     assert r3["rows_generated"] == 2 and r3["rows_ok"] + r3["errors"] == r3["rows_input"] == 12
 
 
+def test_engine_errors_stay_and_rows_cut_by_a_lost_engine_run_again(models, head, tmp_path):
+    """A row that fails alone in the engine (a test hook makes the seed-666
+    row's step raise) is an engine error of its own, the other rows run;
+    rows an earlier run lost to an engine fault (stage "unavailable") run
+    again on the rerun, and leave the errors file."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": f"r{i}", "prompt": p, "max_tokens": 6} for i, p in
+            enumerate(["Hello world", "The capital of France", "Why is the sky blue?", "Paris is"])]
+    rows[1]["seed"] = 666
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    errors_path = tmp_path / "out.jsonl.errors.jsonl"
+    errors_path.write_text(json.dumps({"line": 3, "id": "r2", "stage": "unavailable",
+                                       "reason": "the engine was unavailable: ..."}) + "\n")
+    hook = 'extra={"fault_injection": {"seed": 666, "where": "step"}}'
+    r = json.loads(run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--engine-arg", hook)).stdout)
+    assert sorted(x["id"] for x in read_jsonl(out)) == ["r0", "r2", "r3"]
+    (err,) = read_jsonl(errors_path)
+    assert err["id"] == "r1" and err["stage"] == "engine" and "injected step failure" in err["reason"]
+    assert r["rows_generated"] == 3 and r["errors"] == 1 and r["status"] == "complete"
+    r2 = json.loads(run_batch(batch_cmd(models, inp, out, head, "--no-progress", "--engine-arg", hook)).stdout)
+    assert r2["rows_generated"] == 0 and r2["rows_resumed"] == 4  # an engine error stands (--retry-errors)
+
+
 def test_a_replica_the_cluster_cannot_place_is_refused(models, tmp_path):
     """On the private cluster it starts, it waited for resources forever (a
     GPU on a CPU-only cluster, more CPUs than the cluster has)."""

@@ -83,6 +83,14 @@ class ServeArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0)
     deployment_name: str = "SpecRay"
+    # Faults (serve/health.py): a request's time limit unless it asks for
+    # less (None: none), the step time past which the replica counts as
+    # stuck, how long a rebuild after a lost rank may take before Serve
+    # replaces the replica, and Serve's health-check period.
+    request_timeout_s: float | None = Field(600.0, gt=0)
+    stuck_step_s: float = Field(180.0, gt=0)
+    rebuild_grace_s: float = Field(300.0, gt=0)
+    health_check_period_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self):
@@ -165,7 +173,7 @@ async def _internal_error(request: Request, e: Exception):
 
 # 413: gRPC answers a message over its size limit with RESOURCE_EXHAUSTED.
 _GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
-               429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+               429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
 class _GrpcAbort(Exception):
@@ -221,8 +229,13 @@ class SpecRayServer:
                 await result
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: the engine answers."""
-        await asyncio.wait_for(asyncio.to_thread(self.engine.stats), timeout=30)
+        """Serve's periodic health check: raises (Serve replaces the
+        replica) where the engine will not recover by itself (health.py)."""
+        from specray.serve.health import check
+
+        s = self.settings
+        check(await asyncio.wait_for(asyncio.to_thread(self.engine.health), timeout=30), s.stuck_step_s,
+              s.rebuild_grace_s)
 
     async def engine_stats(self) -> dict:
         """Engine and admission state (for operators and tests, via a Serve
@@ -237,12 +250,13 @@ class SpecRayServer:
             self._poller = asyncio.get_running_loop().create_task(detached(self._poll_engine_load()))
 
     async def _poll_engine_load(self) -> None:
-        """Running / waiting gauges, from one stats call a second (never per
-        step)."""
+        """Running / waiting and health gauges, from one call a second
+        (never per step)."""
         while True:
             try:
-                st = await asyncio.to_thread(self.engine.stats)
-                self.metrics.engine_load(st.get("running", 0), st.get("waiting", 0))
+                h = await asyncio.to_thread(self.engine.health)
+                self.metrics.engine_load(h.get("running", 0), h.get("waiting", 0))
+                self.metrics.engine_health(h)
             except Exception:  # the health check reports a dead engine
                 pass
             await asyncio.sleep(1.0)
@@ -344,11 +358,19 @@ class SpecRayServer:
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
     async def health(self):
+        from specray.serve.health import http_health
+
+        self._ensure_poller()  # the health gauges, before any request came
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.engine.stats), timeout=5)
+            h = await asyncio.wait_for(asyncio.to_thread(self.engine.health), timeout=5)
         except Exception as e:
-            return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
+        status, body = http_health(h)
+        return JSONResponse(body, status_code=status)
+
+    def _timeout(self, asked: float | None) -> float | None:
+        limit = self.settings.request_timeout_s
+        return asked if limit is None else min(asked or limit, limit)
 
     def _model_card(self) -> dict:
         s = self.settings
@@ -411,8 +433,9 @@ class SpecRayServer:
                 rid = P.new_id("cmpl")
             # n choices are n engine requests, each holding a slot.
             leases = self._admit(endpoint, req.num_choices)
+            timeout = self._timeout(req.timeout)
             for i, lease in enumerate(leases):
-                lease.start(prompt, P.choice_params(params, i), rid if i == 0 else f"{rid}-{i}")
+                lease.start(prompt, P.choice_params(params, i), rid if i == 0 else f"{rid}-{i}", timeout)
             firsts = []
             try:
                 for lease in leases:
@@ -420,7 +443,7 @@ class SpecRayServer:
             except ValueError as e:  # the engine rejected the prompt
                 raise P.prompt_error(e, "messages" if kind == "chat" else "prompt") from None
             except RuntimeError as e:
-                raise P.APIError(500, str(e), "server_error") from None
+                raise P.exception_error(e) from None
         except P.APIError as e:
             if not leases:
                 self.metrics.request_done(endpoint, e.status)
@@ -449,8 +472,7 @@ class SpecRayServer:
                     out = await lease.next()
                     tracker.update(out, time.monotonic())
                 if P.finish_reason(out) is None:
-                    raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error",
-                                     None, out.finish_reason)
+                    raise P.output_error(out)
                 outs.append(out)
             build = P.chat_response if kind == "chat" else P.completion_response
             set_status(leases, 200)
@@ -459,8 +481,9 @@ class SpecRayServer:
             set_status(leases, e.status)
             return _error_response(e)
         except RuntimeError as e:
-            set_status(leases, 500)
-            return _error_response(P.APIError(500, str(e), "server_error"))
+            err = P.exception_error(e)
+            set_status(leases, err.status)
+            return _error_response(err)
         finally:
             await shielded(release_all(leases))
 
@@ -510,7 +533,7 @@ class SpecRayServer:
                     if not out.finished:
                         waiting[asyncio.ensure_future(leases[i].next())] = i
                     elif P.finish_reason(out) is None:  # the writer ended the stream with an error event
-                        set_status(leases, 500)
+                        set_status(leases, P.output_error(out).status)
                         return
                     else:
                         finals[i] = out
@@ -521,10 +544,10 @@ class SpecRayServer:
             for chunk in writer.end([finals[i] for i in range(len(leases))]):
                 yield chunk
             set_status(leases, 200)
-        except RuntimeError as e:  # the engine failed under us
-            set_status(leases, 500)
-            yield P.sse(P.APIError(500, str(e), "server_error").body())
-            yield P.sse("[DONE]")
+        except RuntimeError as e:  # the engine failed under us: an error event ends the stream
+            err = P.exception_error(e)
+            set_status(leases, err.status)
+            yield P.sse(err.body())
         finally:
             for task in waiting:  # a queue's get is safe to cancel: nothing is lost
                 task.cancel()
@@ -612,7 +635,9 @@ class SpecRayServer:
         rid = request.request_id or engine_rid
         tracker = RequestTracker(self.metrics, start)
         try:
-            lease.start(prompt, params, engine_rid)
+            remaining = getattr(grpc_context, "time_remaining", None)  # Serve's context has none (2.60)
+            left = remaining() if callable(remaining) else None
+            lease.start(prompt, params, engine_rid, self._timeout(left if left and left > 0 else None))
             try:
                 while True:
                     out = await lease.next()
@@ -624,7 +649,7 @@ class SpecRayServer:
                                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
                     if out.finished:
                         if P.finish_reason(out) is None:
-                            raise P.APIError(500, f"generation ended early ({out.finish_reason})", "server_error")
+                            raise P.output_error(out)
                         st = P.spec_stats([out])
                         u = P.usage([out])
                         msg.finish_reason = out.finish_reason
@@ -638,7 +663,7 @@ class SpecRayServer:
             except ValueError as e:
                 raise P.prompt_error(e, "prompt") from None
             except RuntimeError as e:
-                raise P.APIError(500, str(e), "server_error") from None
+                raise P.exception_error(e) from None
             lease.status = "OK"
         except P.APIError as e:
             lease.status = _GRPC_CODES.get(e.status, "UNKNOWN")
@@ -679,7 +704,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         max_ongoing_requests=bound + _HEADROOM,
         max_queued_requests=bound + _HEADROOM,
         ray_actor_options=actor_options,
-        health_check_period_s=10,
+        health_check_period_s=s.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=20,
         max_constructor_retry_count=3,  # a bad checkpoint fails the deploy instead of retrying 20 times

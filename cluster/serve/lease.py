@@ -45,13 +45,13 @@ class Lease:
         self.status: int | str = "CANCELLED" if endpoint.startswith("grpc") else 499
         self._released = False
 
-    def start(self, prompt, params, rid: str) -> None:
+    def start(self, prompt, params, rid: str, timeout: float | None = None) -> None:
         self.rid = rid
-        self.task = asyncio.get_running_loop().create_task(detached(self._drive(prompt, params, rid)))
+        self.task = asyncio.get_running_loop().create_task(detached(self._drive(prompt, params, rid, timeout)))
 
-    async def _drive(self, prompt, params, rid: str) -> None:
+    async def _drive(self, prompt, params, rid: str, timeout: float | None) -> None:
         try:
-            async for out in self.server.engine.generate(prompt, params, request_id=rid):
+            async for out in self.server.engine.generate(prompt, params, request_id=rid, timeout=timeout):
                 self.queue.put_nowait(out)
         except BaseException as e:  # a bad prompt (ValueError), a failed engine, cancellation
             self.queue.put_nowait(e)

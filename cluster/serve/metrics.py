@@ -64,7 +64,19 @@ class ServeMetrics:
             "specray_generation_tokens", "Tokens generated.", tag_keys=("model",))
         self.prompt_tokens = m.Counter(
             "specray_prompt_tokens", "Prompt tokens of admitted requests.", tag_keys=("model",))
-        for metric in (self.ttft, self.tpot, self.in_flight, self.waiting, self.running, self.num_drafts,
+        self.drafter_up = m.Gauge(
+            "specray_drafter_up", "1 while the drafter serves, 0 while steps run without it (degraded).",
+            tag_keys=("model",))
+        self.engine_up = m.Gauge(
+            "specray_engine_up", "1 while the engine serves, 0 while it is rebuilt or cannot serve.",
+            tag_keys=("model",))
+        self.drafter_losses = m.Counter(
+            "specray_drafter_losses", "Drafters lost (dead, stopped answering or failed).", tag_keys=("model",))
+        self.engine_rebuilds = m.Counter(
+            "specray_engine_rebuilds", "Target groups rebuilt after a lost rank.", tag_keys=("model",))
+        self._seen = {"losses": 0, "rebuilds": 0}
+        for metric in (self.drafter_up, self.engine_up, self.drafter_losses, self.engine_rebuilds,
+                       self.ttft, self.tpot, self.in_flight, self.waiting, self.running, self.num_drafts,
                        self.num_draft_tokens, self.num_accepted_tokens, self.num_lookup_drafts, self.generation_tokens,
                        self.prompt_tokens):
             metric.set_default_tags(tags)
@@ -79,6 +91,18 @@ class ServeMetrics:
     def engine_load(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+
+    def engine_health(self, h: dict) -> None:
+        """Gauges and counters from ``AsyncEngine.health()``."""
+        self.engine_up.set(1 if h.get("engine", "ok") == "ok" and h.get("loop", "running") == "running" else 0)
+        drafter = h.get("drafter") or {}
+        if drafter.get("state", "none") != "none":
+            self.drafter_up.set(1 if drafter["state"] == "up" else 0)
+        for key, counter, value in (("losses", self.drafter_losses, drafter.get("losses", 0)),
+                                    ("rebuilds", self.engine_rebuilds, h.get("rebuilds", 0))):
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+            self._seen[key] = value
 
 
 class RequestTracker:

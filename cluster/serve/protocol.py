@@ -6,7 +6,7 @@ specray does not implement get a 400 that names them (``best_of``,
 ``tools``, ...); unknown fields get OpenAI's own
 "Unrecognized request argument" 400. Extensions (vLLM's names): ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``,
-``return_token_ids``.
+``return_token_ids``, and ``timeout`` (seconds).
 Log probabilities are vLLM's raw ones: the model's distribution before
 temperature, top-k / top-p and the min_tokens mask.
 """
@@ -162,6 +162,8 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = Field(None, ge=0)
     return_token_ids: bool = False
+    # seconds the request may take (the server's request_timeout_s caps it)
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     # OpenAI fields accepted only at their neutral value (checked below)
     n: int | None = None
     best_of: int | None = None
@@ -382,6 +384,39 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finish_reason in ("stop", "length") else None
 
 
+def _last_line(text: str | None) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def output_error(out: RequestOutput) -> APIError:
+    """The error of a request the engine ended without a finish reason: 503
+    where the engine failed under it (a lost worker, a shutdown: retry), 504
+    for its timeout, 500 where it failed alone."""
+    kind = out.error_kind or ("engine" if out.finish_reason == "abort" else "request")
+    if kind == "engine":
+        return APIError(503, "The engine lost a worker while generating this request; retry it. "
+                             f"({_last_line(out.error) or out.finish_reason})", "server_error", None,
+                        "engine_unavailable")
+    if kind == "timeout":
+        return APIError(504, _last_line(out.error) or "the request timed out", "server_error", None, "timeout")
+    return APIError(500, f"This request failed inside the engine: {_last_line(out.error)}", "server_error", None,
+                    "request_failed")
+
+
+def exception_error(e: BaseException) -> APIError:
+    """What a failed engine stream raised, as the API's error."""
+    from specray.async_engine import RequestTimeout
+    from specray.faults import EngineUnavailable
+
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, f"The engine is unavailable; retry the request. ({_last_line(str(e))})", "server_error",
+                        None, "engine_unavailable")
+    if isinstance(e, RequestTimeout):
+        return APIError(504, str(e), "server_error", None, "timeout")
+    return APIError(500, str(e), "server_error")
+
+
 def usage(outs: list[RequestOutput]) -> dict:
     """One prompt, every choice's tokens (OpenAI's count for ``n`` > 1)."""
     p, c = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
@@ -538,7 +573,8 @@ class ChunkWriter:
     def delta(self, index: int, out: RequestOutput) -> list[bytes]:
         """Choice ``index``'s chunks for ``out``; the last one (finished)
         carries its finish reason and speculative figures. A choice that
-        ended early gets an error event, and the stream ends there."""
+        ended early gets an error event, and the stream ends there (no
+        ``[DONE]``: the stream did not complete)."""
         chunks = []
         entries = out.delta_logprobs if self.logprobs[index] else None
         if not out.finished:
@@ -547,10 +583,8 @@ class ChunkWriter:
                                                             entries)])))
             return chunks
         reason = finish_reason(out)
-        if reason is None:  # aborted or failed inside the engine
-            chunks.append(sse(APIError(500, f"generation ended early ({out.finish_reason})", "server_error",
-                                       None, out.finish_reason).body()))
-            chunks.append(sse("[DONE]"))
+        if reason is None:  # aborted or failed inside the engine: an error event ends the stream
+            chunks.append(sse(output_error(out).body()))
             return chunks
         if self.chat and self._has_news(index, out):
             # content first, then an empty delta carrying the finish reason
