@@ -53,6 +53,7 @@ class InflightStep:
     spec: bool = True  # verified the drafter's blocks (else an autoregressive step: spec_policy.py)
     padded: int = 0  # the batch size its graph ran at
     mode: str = "greedy"
+    tokens_per_row: float | None = None  # a speculative step's, once applied
 
     def gpu_seconds(self) -> float:
         if isinstance(self.timing, tuple):
@@ -377,6 +378,23 @@ class AsyncSteps:
         kind = "greedy" if all(r.params.greedy for r in requests) else "sampled"
         return self.policy.choose(padded, kind)
 
+    def _observe_cycle(self, now: float) -> None:
+        """What the policy learns from the last ``step()`` call, when the
+        chain went on: the steps it applied cost the longer of their GPU time
+        and the cycle's wall time (launch, apply, and what the serving
+        threads did meanwhile). With small models the host is the limit,
+        and its cost grows with the tokens a step emits."""
+        cycle, self._cycle = self._cycle, None
+        if self.policy is None or cycle is None or not self._inflight:
+            return
+        start, steps = cycle
+        if any(p.timing is None for p in steps):  # a graph captured in it
+            return
+        p = steps[0]
+        tokens = [q.tokens_per_row for q in steps if q.tokens_per_row is not None]
+        self.policy.observe(p.padded, p.spec, max(sum(q.gpu_seconds() for q in steps), now - start), p.mode,
+                            sum(tokens) / len(tokens) if tokens else None)
+
     def _adaptive_unsupported(self) -> str | None:
         if self.drafter is None:
             return "no drafter"
@@ -439,9 +457,8 @@ class AsyncSteps:
         are dropped."""
         outputs = []
         rows = step.read()
-        if self.policy is not None:
-            self.policy.observe(step.padded, step.spec, step.gpu_seconds(), step.mode,
-                                sum(row[0] + 1 for row in rows) / len(rows) if step.spec and self.drafter else None)
+        if step.spec and self.drafter is not None:
+            step.tokens_per_row = sum(row[0] + 1 for row in rows) / len(rows)
         for r, (a, bonus, looked_up, drafts) in zip(step.requests, rows):
             if r.finished:
                 continue

@@ -143,6 +143,7 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
         self.tree = self._tree_universe()
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
+        self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
 
     # ----------------------------------------------------------- admission
     def add_request(
@@ -223,6 +224,7 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._observe_cycle(t0)
         if not self._inflight:
             plan = self.scheduler.schedule()
             if not self._async_eligible(plan):
@@ -243,6 +245,7 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
         self.num_async_steps += 1
+        self._cycle = (t0, prev) if self._inflight else None
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         self.async_wall_s += self.last_step.total
         return outputs

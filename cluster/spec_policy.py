@@ -9,10 +9,14 @@ block emits ~3 tokens; at large batches a B-row verify reads the same
 weights but computes B times the rows, and a sampled row accepts little.
 Both sides are measured, not assumed:
 
-* ``T_spec(n)``, ``T_ar(n)``: the device time of the step graphs' replays at
-  each padded batch size (CUDA events around the replay; the host's wall
-  time off CUDA), an exponentially weighted mean, each measured on first
-  use by running that kind of step;
+* ``T_spec(n)``, ``T_ar(n)``: what a step of each kind costs at each padded
+  batch size: the longer of its replay's device time (CUDA events; off CUDA
+  the host's) and the wall time of the engine cycle that applied it
+  (``EngineCore._observe_cycle``: with a small model the host, whose work
+  grows with the tokens a step emits, is the limit: on the H200 the
+  embedded pair served at c=16 ran 0.73x of autoregressive when only device
+  time was weighed), an exponentially weighted mean, each measured on
+  first use by running that kind of step;
 * the tokens a speculative step emits per row, an exponentially weighted
   mean over the engine's recent speculative steps, kept apart for greedy
   and sampled batches (their acceptance differs by half). While steps are

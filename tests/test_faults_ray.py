@@ -194,7 +194,7 @@ def test_target_rank_killed_mid_generate(cluster, victim):
     group is rebuilt (new actors, new placement group), the next call is
     served, and no actor of the old group is left alive."""
     root = cluster
-    llm = LLM(root / "t", root / "d", backend="ray", tensor_parallel_size=2, **KW)
+    llm = LLM(root / "t", root / "d", backend="ray", tensor_parallel_size=2, drafter_placement="separate", **KW)
     try:
         ref = reference(llm, ["short"])
         old = llm._core.actors
@@ -226,7 +226,8 @@ def test_target_rank_killed_mid_generate(cluster, victim):
 
 def test_a_request_that_breaks_the_step_fails_alone_through_ray(cluster):
     root = cluster
-    llm = LLM(root / "t", root / "d", backend="ray", extra={"fault_injection": {"seed": 666, "where": "step"}}, **KW)
+    llm = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate",
+              extra={"fault_injection": {"seed": 666, "where": "step"}}, **KW)
     try:
         ref = reference(llm, ["short"])
         params = [SHORT] * len(PROMPTS)
