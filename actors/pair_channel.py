@@ -20,7 +20,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from specray.actors.transport import HEADER_LEN, decode_header, encode_header
+from specray.actors.transport import HEADER_LEN, decode_header, encode_header, start_sends
 
 # The drafter waits on rank 0 between requests for as long as the engine idles.
 _IDLE = datetime.timedelta(days=365)
@@ -110,11 +110,8 @@ class PairChannel:
     def send_raw(self, tensors: list[torch.Tensor]) -> None:
         """Not waited on (see ``TorchP2PChannel.send_raw``): the tensors of
         sends in flight are kept alive until they complete."""
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for t in tensors:
-            if t.numel():
-                t = t.detach().to("cpu").clone()
-                self._pending.append((self.pg.send([t], self.peer, self.tag), t))
+        self._pending = start_sends(self._pending, [t.to("cpu") for t in tensors],
+                                    lambda t: self.pg.send([t], self.peer, self.tag))
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

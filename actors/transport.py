@@ -99,6 +99,17 @@ def _staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.contiguous()
 
 
+def start_sends(pending: list, tensors: list[torch.Tensor], isend) -> list:
+    """Start a send of a copy of each tensor, not waited on; the sends still
+    in flight (work, the copy it reads) of ``pending`` and these."""
+    pending = [(w, t) for w, t in pending if not w.is_completed()]
+    for t in tensors:
+        if t.numel():
+            t = t.detach().clone(memory_format=torch.contiguous_format)
+            pending.append((isend(t), t))
+    return pending
+
+
 class TorchP2PChannel:
     """send/recv with ``peer`` over a torch.distributed group: gloo between
     CPU processes (``device`` cpu), or the host half of a SplitChannel."""
@@ -136,11 +147,8 @@ class TorchP2PChannel:
         peer receives (micro-batches), and a gloo send completes only once
         the peer receives it, so a blocking send could wait on a receive
         queued behind it. The tensors of sends in flight are kept alive."""
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for t in tensors:
-            if t.numel():
-                t = _staged(t, self.device).clone()
-                self._pending.append((dist.isend(t, self.peer, group=self.group, tag=self.tag), t))
+        self._pending = start_sends(self._pending, [_staged(t, self.device) for t in tensors],
+                                    lambda t: dist.isend(t, self.peer, group=self.group, tag=self.tag))
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

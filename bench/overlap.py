@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from common import add_model_args, write_report
 from specray import LLM, SamplingParams
 from specray.bench import load_prompts
 from specray.cli import resolve_models
@@ -89,10 +90,7 @@ def timeline(llm, prompts, params) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target")
-    p.add_argument("--drafter")
-    p.add_argument("--no-drafter", action="store_true")
-    p.add_argument("--device", default="cuda")
+    add_model_args(p, "cuda")
     p.add_argument("--backend", choices=["inprocess", "ray"], default="inprocess")
     p.add_argument("--prompts", nargs="+", default=["data/prompts/eval.jsonl", "data/prompts/dev.jsonl"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
@@ -141,9 +139,7 @@ def main(argv=None) -> int:
     finally:
         for llm in llms.values():
             llm.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(args.out, report)
     return 0
 
 

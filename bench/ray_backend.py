@@ -10,13 +10,13 @@ that alternate the engines so that a machine's drift hits them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 
+from common import add_model_args, write_report
 from specray import LLM, SamplingParams
 from specray.bench import load_prompts
 from specray.cli import resolve_models
@@ -27,10 +27,7 @@ PATHS = {"inprocess": {}, "ray_colocated": dict(backend="ray", drafter_placement
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target")
-    p.add_argument("--drafter")
-    p.add_argument("--no-drafter", action="store_true")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p, "cpu")
     p.add_argument("--prompts", default="data/prompts/eval.jsonl")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -74,9 +71,7 @@ def main(argv=None) -> int:
     finally:
         for llm in llms.values():
             llm.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(args.out, report)
     return 0
 
 

@@ -13,11 +13,11 @@ extra over the in-process figure is what the actor around the engine costs.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
 
+from common import add_model_args, write_report
 from specray import LLM, SamplingParams
 from specray.bench import load_prompts
 from specray.cli import resolve_models
@@ -43,10 +43,7 @@ def measure(llm, prompts, params, stats) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target")
-    p.add_argument("--drafter")
-    p.add_argument("--no-drafter", action="store_true")
-    p.add_argument("--device", default="cuda")
+    add_model_args(p, "cuda")
     p.add_argument("--prompts", default="data/prompts/eval.jsonl")
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -78,9 +75,7 @@ def main(argv=None) -> int:
         print(f"{path:9s}: {r['tok_s']:8.1f} tok/s | step {r['step_wall_ms']:.3f} ms wall, {r['step_gpu_ms']:.3f} ms "
               f"GPU -> overhead {r['overhead_ms_per_step']:.3f} ms/step over {r['async_steps']} steps")
     print(f"ray / inprocess tok/s = {report['ray_over_inprocess_tok_s']:.3f}; identical {report['identical']}/{args.limit}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(args.out, report)
     return 0
 
 
