@@ -23,6 +23,9 @@ slot however the request ends (``specray.serve.lease``).
 Streaming responses start with the first token: the prompt is validated by
 the engine at submit, so a bad prompt still gets a 400 rather than an error
 inside a 200 stream.
+
+The settings (``ServeArgs``) are ``specray.serve.settings``; the gRPC
+methods are ``specray.serve.grpc_service``, a base class of the deployment.
 """
 
 import asyncio
@@ -32,12 +35,11 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -45,7 +47,9 @@ from starlette.requests import ClientDisconnect
 from specray.serve import limits as L
 from specray.serve import openapi
 from specray.serve import protocol as P
+from specray.serve.grpc_service import GrpcService
 from specray.serve.lease import EngineStream, Lease, detached, release_all, set_status, shielded
+from specray.serve.settings import ServeArgs, _resolve
 
 log = logging.getLogger("specray.serve")
 
@@ -53,89 +57,6 @@ GRPC_SERVICER_FUNCTIONS = ["specray.serve.specray_pb2_grpc.add_SpecRayServicer_t
 # Serve-level in-flight room per replica beyond the generation bound, for
 # /health, /v1/models, rejected requests on their way out and handle calls.
 _HEADROOM = 32
-
-
-# -------------------------------------------------------------- settings
-class ServeArgs(BaseModel):
-    """``build_app`` arguments (the ``args`` of a Serve config)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    target: str | None = None  # None: the embedded default target (and drafter)
-    drafter: str | None = None
-    no_drafter: bool = False
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    backend: Literal["ray", "inprocess"] = "ray"
-    tensor_parallel_size: int = Field(1, ge=1)
-    drafter_placement: Literal["auto", "separate", "colocated"] = "auto"
-    max_model_len: int | None = Field(None, ge=2)
-    num_kv_blocks: int | None = Field(None, ge=2)
-    kv_block_size: int = Field(16, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    engine: dict[str, Any] = Field(default_factory=dict)  # further EngineConfig fields
-    model_name: str | None = None  # served id; default: the target directory's name
-    max_queued_requests: int = Field(64, ge=0)  # admitted beyond max_num_seqs
-    retry_after_s: int = Field(1, ge=0)
-    max_request_bytes: int = Field(32 << 20, ge=1024)  # larger bodies get a 413, gRPC RESOURCE_EXHAUSTED
-    request_body_timeout_s: float = Field(30.0, gt=0)  # a body still arriving after this gets a 408
-    api_key: str | None = None  # default: env SPECRAY_API_KEY
-    num_replicas: int = Field(1, ge=1)
-    replica_num_cpus: float = Field(1.0, ge=0)
-    deployment_name: str = "SpecRay"
-    # Faults (serve/health.py): a request's time limit unless it asks for
-    # less (None: none), the step time past which the replica counts as
-    # stuck, how long a rebuild after a lost rank may take before Serve
-    # replaces the replica, and Serve's health-check period.
-    request_timeout_s: float | None = Field(600.0, gt=0)
-    stuck_step_s: float = Field(180.0, gt=0)
-    rebuild_grace_s: float = Field(300.0, gt=0)
-    health_check_period_s: float = Field(10.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.backend == "inprocess" and self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs backend='ray'")
-        return self
-
-    @property
-    def max_in_flight(self) -> int:
-        return self.max_num_seqs + self.max_queued_requests
-
-    def engine_config(self):
-        from specray.config import EngineConfig
-
-        kw = dict(self.engine)
-        kw.update(target=self.target, drafter=None if self.no_drafter else self.drafter, device=self.device,
-                  dtype=self.dtype, max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
-                  kv_block_size=self.kv_block_size, max_num_seqs=self.max_num_seqs)
-        return EngineConfig(**kw)
-
-
-def _resolve(args: dict | ServeArgs | None) -> ServeArgs:
-    if isinstance(args, ServeArgs):
-        s = args
-    else:
-        try:
-            s = ServeArgs.model_validate(dict(args or {}))
-        except ValidationError as e:
-            raise ValueError(f"specray.serve: invalid app args: {e}") from None
-    if s.target is None:
-        from specray.cli import resolve_models
-
-        target, drafter = resolve_models(s)
-        s = s.model_copy(update={"target": target, "drafter": drafter})
-    if s.no_drafter:
-        s = s.model_copy(update={"drafter": None})
-    if s.model_name is None:
-        s = s.model_copy(update={"model_name": os.path.basename(os.path.normpath(s.target))})
-    if s.api_key is None and os.environ.get("SPECRAY_API_KEY"):
-        s = s.model_copy(update={"api_key": os.environ["SPECRAY_API_KEY"]})
-    try:  # fail here, not in a replica constructor that Serve would retry
-        s.engine_config()
-    except TypeError as e:
-        raise ValueError(f"specray.serve: invalid engine settings: {e}") from None
-    return s
 
 
 # ------------------------------------------------------------- FastAPI app
@@ -171,18 +92,9 @@ async def _internal_error(request: Request, e: Exception):
     return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
 
-# 413: gRPC answers a message over its size limit with RESOURCE_EXHAUSTED.
-_GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
-               429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
-
-
-class _GrpcAbort(Exception):
-    pass
-
-
 @serve.deployment
 @serve.ingress(app)
-class SpecRayServer:
+class SpecRayServer(GrpcService):
     def __init__(self, settings: dict):
         from specray.async_engine import AsyncEngine
         from specray.config import TargetSpec
@@ -551,139 +463,6 @@ class SpecRayServer:
         finally:
             for task in waiting:  # a queue's get is safe to cancel: nothing is lost
                 task.cancel()
-
-    # ---------------------------------------------------------------- gRPC
-    def _grpc_fail(self, grpc_context, e: P.APIError, endpoint: str):
-        import grpc
-
-        code = getattr(grpc.StatusCode, _GRPC_CODES.get(e.status, "UNKNOWN"))
-        if grpc_context is not None:
-            grpc_context.set_code(code)
-            grpc_context.set_details(e.message)
-        raise _GrpcAbort(e.message)
-
-    def _grpc_key(self, grpc_context) -> None:
-        supplied = None
-        if grpc_context is not None:
-            for k, v in grpc_context.invocation_metadata():
-                if k.lower() == "authorization":
-                    scheme, _, value = str(v).partition(" ")
-                    supplied = value.strip() if scheme.lower() == "bearer" else ""
-        self._check_key(supplied)
-
-    async def _grpc_inputs(self, request):
-        from specray.sampling import SamplingParams
-
-        # Serve's proxy takes messages up to 2 GB; hold them to the bound HTTP bodies have.
-        size, limit = request.ByteSize(), self.settings.max_request_bytes
-        if size > limit:
-            raise P.APIError(413, f"The request has {size} bytes; this server takes at most {limit}.",
-                             "invalid_request_error", None, "request_too_large")
-        self._check_model(request.model or None)
-        L.check_grpc(request, self.max_model_len)
-        which = request.WhichOneof("input")
-        if which is None:
-            raise P.bad_request("one of prompt, prompt_token_ids or messages is required", "input")
-        if which == "prompt":
-            prompt = request.prompt
-            self._check_prompt_length(prompt)
-        elif which == "prompt_token_ids":
-            self._check_prompt_length(request.prompt_token_ids.ids)
-            prompt = list(request.prompt_token_ids.ids)
-        else:
-            try:
-                msgs = [P.ChatMessage(role=m.role, content=m.content) for m in request.messages.messages]
-            except ValidationError as e:
-                raise P.from_validation_error(e) from None
-            if not msgs:
-                raise P.bad_request("messages is empty", "messages")
-            prompt = await self._chat_prompt([{"role": "system" if m.role == "developer" else m.role,
-                                         "content": m.content} for m in msgs])
-        p = request.params
-        try:
-            params = SamplingParams(
-                max_tokens=p.max_tokens if p.HasField("max_tokens") else self.max_model_len,
-                temperature=p.temperature if p.HasField("temperature") else 1.0,
-                top_p=p.top_p if p.HasField("top_p") else 1.0,
-                top_k=p.top_k if p.HasField("top_k") else 0,
-                seed=p.seed if p.HasField("seed") else None,
-                stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                min_tokens=p.min_tokens, logprobs=p.logprobs if p.HasField("logprobs") else None,
-                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0)
-        except ValueError as e:
-            raise P.sampling_error(e) from None
-        return prompt, params
-
-    async def Generate(self, request, grpc_context=None):
-        """specray.v1.SpecRay/Generate (server streaming)."""
-        from specray.serve import specray_pb2 as pb
-        from specray.serve.metrics import RequestTracker
-
-        start = time.monotonic()
-        endpoint = "grpc_generate"
-        try:
-            self._grpc_key(grpc_context)
-            prompt, params = await self._grpc_inputs(request)
-            lease, = self._admit(endpoint)
-        except P.APIError as e:
-            self.metrics.request_done(endpoint, _GRPC_CODES.get(e.status, "UNKNOWN"))
-            self._grpc_fail(grpc_context, e, endpoint)
-        # The client's id names its stream; the engine's is always fresh, so
-        # clients choosing the same id never collide.
-        engine_rid = P.new_id("grpc")
-        rid = request.request_id or engine_rid
-        tracker = RequestTracker(self.metrics, start)
-        try:
-            remaining = getattr(grpc_context, "time_remaining", None)  # Serve's context has none (2.60)
-            left = remaining() if callable(remaining) else None
-            lease.start(prompt, params, engine_rid, self._timeout(left if left and left > 0 else None))
-            try:
-                while True:
-                    out = await lease.next()
-                    tracker.update(out, time.monotonic())
-                    msg = pb.GenerateResponse(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
-                                              finished=out.finished)
-                    for e in out.delta_logprobs or ():
-                        msg.logprobs.add(token_id=e.token_id, logprob=e.logprob,
-                                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
-                    if out.finished:
-                        if P.finish_reason(out) is None:
-                            raise P.output_error(out)
-                        st = P.spec_stats([out])
-                        u = P.usage([out])
-                        msg.finish_reason = out.finish_reason
-                        msg.usage.CopyFrom(pb.Usage(**u))
-                        msg.stats.CopyFrom(pb.SpeculativeStats(
-                            **{k: v for k, v in st.items() if k != "ttft_s"}))
-                        msg.ttft_s = st["ttft_s"] or 0.0
-                    yield msg
-                    if out.finished:
-                        break
-            except ValueError as e:
-                raise P.prompt_error(e, "prompt") from None
-            except RuntimeError as e:
-                raise P.exception_error(e) from None
-            lease.status = "OK"
-        except P.APIError as e:
-            lease.status = _GRPC_CODES.get(e.status, "UNKNOWN")
-            self._grpc_fail(grpc_context, e, endpoint)
-        finally:
-            await shielded(lease.release())
-
-    async def ListModels(self, request, grpc_context=None):
-        """specray.v1.SpecRay/ListModels."""
-        from specray.serve import specray_pb2 as pb
-
-        try:
-            self._grpc_key(grpc_context)
-        except P.APIError as e:
-            self.metrics.request_done("grpc_list_models", _GRPC_CODES[e.status])
-            self._grpc_fail(grpc_context, e, "grpc_list_models")
-        self.metrics.request_done("grpc_list_models", "OK")
-        return pb.ListModelsResponse(models=[pb.Model(
-            id=self.model_name, owned_by="specray", max_model_len=self.max_model_len,
-            speculative=bool(self.settings.drafter))])
 
 
 def build_app(args: dict | None = None) -> serve.Application:

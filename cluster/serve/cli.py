@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     cuda_graphs=False if args.eager else None, async_scheduling=args.async_scheduling),
     )
     try:
-        from specray.serve.app import GRPC_SERVICER_FUNCTIONS, _resolve, build_app
+        from specray.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
+        from specray.serve.settings import _resolve
 
         settings = _resolve(app_args)
         application = build_app(settings)

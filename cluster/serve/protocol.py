@@ -1,5 +1,5 @@
-"""OpenAI wire format: request models, validation, response and chunk
-builders, and errors in OpenAI's shape.
+"""OpenAI wire format: request models and their validation (and, re-exported,
+errors in OpenAI's shape and the response and chunk builders).
 
 Only the fields specray implements are accepted. Fields OpenAI defines but
 specray does not implement get a 400 that names them (``best_of``,
@@ -9,6 +9,11 @@ specray does not implement get a 400 that names them (``best_of``,
 ``return_token_ids``, and ``timeout`` (seconds).
 Log probabilities are vLLM's raw ones: the model's distribution before
 temperature, top-k / top-p and the min_tokens mask.
+
+Errors (``specray.serve.errors``) and response bodies / stream chunks
+(``specray.serve.responses``) live apart, each its own job; they are
+re-exported here so that ``protocol`` stays the one name the front ends
+(HTTP, gRPC, OpenAPI) use for the wire format.
 """
 
 from __future__ import annotations
@@ -16,95 +21,44 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specray.request import PromptTooLong, RequestOutput, TokenLogprobs
 from specray.sampling import MAX_LOGPROBS, SamplingParams
+from specray.serve.errors import (
+    APIError,
+    bad_request,
+    exception_error,
+    from_validation_error,
+    output_error,
+    prompt_error,
+    sampling_error,
+    unsupported,
+)
+from specray.serve.responses import (
+    ChunkWriter,
+    LogprobWriter,
+    chat_response,
+    completion_response,
+    finish_reason,
+    spec_stats,
+    sse,
+    usage,
+)
 
-
-# ------------------------------------------------------------------ errors
-class APIError(Exception):
-    """An error with an HTTP status, rendered as OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-def unsupported(param: str, detail: str) -> APIError:
-    return APIError(400, f"'{param}' is not supported by this server: {detail}", "invalid_request_error",
-                    param, "unsupported_parameter")
-
-
-_TYPE_TAG = re.compile(r"(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)")
-
-
-def from_validation_error(e: ValidationError | list[dict]) -> APIError:
-    """The first pydantic error as an OpenAI 400."""
-    errors = e if isinstance(e, list) else e.errors()
-    err = errors[0]
-    # pydantic names the member of a union each error is about ("prompt.str"):
-    # the client sent one field, not a type; the members' messages go together.
-    param = _param(err)
-    msgs = [x.get("msg", "") for x in errors if _param(x) == param]
-    if err.get("type") == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error",
-                        param, "unrecognized_argument")
-    if err.get("type") == "missing":
-        return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    msg = err.get("msg", "invalid value")
-    for other in dict.fromkeys(msgs[1:]):
-        if other != msg:
-            msg += " or " + other.removeprefix("Input should be ")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    got = err.get("input")
-    shown = _shown(got)
-    return bad_request(f"Invalid value for '{param}': {msg} (got {shown}).", param, "invalid_value")
-
-
-def _param(err: dict) -> str | None:
-    return ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.fullmatch(str(p))) or None
-
-
-def _shown(x) -> str:
-    # A value nested to the parser's depth limit, walked again a few frames
-    # deeper, overflows the stack: that must stay a 400 (it was a 500).
-    for show in (json.dumps, repr):
-        try:
-            return show(x)[:200]
-        except (TypeError, ValueError, RecursionError):
-            continue
-    return f"a {type(x).__name__} nested too deeply to show"
-
-
-def prompt_error(e: ValueError, param: str) -> APIError:
-    """The engine's refusal of a prompt (too long, empty, ids outside the
-    vocabulary) as a 400 with OpenAI's codes."""
-    return bad_request(str(e), param, "context_length_exceeded" if isinstance(e, PromptTooLong) else "invalid_value")
-
-
-def sampling_error(e: ValueError) -> APIError:
-    """SamplingParams' messages start with the parameter's name."""
-    msg = str(e)
-    first = msg.split(" ", 1)[0]
-    param = first if first in {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                               "stop_token_ids", "min_tokens", "logprobs", "presence_penalty",
-                               "frequency_penalty", "repetition_penalty"} else None
-    return bad_request(msg, param, "invalid_value")
+__all__ = [
+    # requests
+    "parse_json", "parse", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
+    "TextPart", "new_id", "choice_params",
+    # errors
+    "APIError", "bad_request", "unsupported", "from_validation_error", "prompt_error", "sampling_error",
+    "output_error", "exception_error",
+    # responses
+    "finish_reason", "usage", "spec_stats", "LogprobWriter", "completion_response", "chat_response", "sse",
+    "ChunkWriter",
+]
 
 
 # ---------------------------------------------------------------- requests
@@ -367,7 +321,7 @@ def parse(model_cls, body: Any):
     return req
 
 
-# --------------------------------------------------------------- responses
+# ---------------------------------------------------------------- ids, seeds
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -378,225 +332,3 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    return out.finish_reason if out.finish_reason in ("stop", "length") else None
-
-
-def _last_line(text: str | None) -> str:
-    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
-    return lines[-1].strip()[:300] if lines else ""
-
-
-def output_error(out: RequestOutput) -> APIError:
-    """The error of a request the engine ended without a finish reason: 503
-    where the engine failed under it (a lost worker, a shutdown: retry), 504
-    for its timeout, 500 where it failed alone."""
-    kind = out.error_kind or ("engine" if out.finish_reason == "abort" else "request")
-    if kind == "engine":
-        return APIError(503, "The engine lost a worker while generating this request; retry it. "
-                             f"({_last_line(out.error) or out.finish_reason})", "server_error", None,
-                        "engine_unavailable")
-    if kind == "timeout":
-        return APIError(504, _last_line(out.error) or "the request timed out", "server_error", None, "timeout")
-    return APIError(500, f"This request failed inside the engine: {_last_line(out.error)}", "server_error", None,
-                    "request_failed")
-
-
-def exception_error(e: BaseException) -> APIError:
-    """What a failed engine stream raised, as the API's error."""
-    from specray.async_engine import RequestTimeout
-    from specray.faults import EngineUnavailable
-
-    if isinstance(e, EngineUnavailable):
-        return APIError(503, f"The engine is unavailable; retry the request. ({_last_line(str(e))})", "server_error",
-                        None, "engine_unavailable")
-    if isinstance(e, RequestTimeout):
-        return APIError(504, str(e), "server_error", None, "timeout")
-    return APIError(500, str(e), "server_error")
-
-
-def usage(outs: list[RequestOutput]) -> dict:
-    """One prompt, every choice's tokens (OpenAI's count for ``n`` > 1)."""
-    p, c = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def spec_stats(outs: list[RequestOutput]) -> dict:
-    """The ``specray`` extension field: speculative decoding figures (of
-    all choices together: their steps in choice order)."""
-    steps = [a for o in outs for a in o.metrics.acceptance_lengths]
-    drafted = [o for o in outs if o.metrics.num_draft_tokens]
-    per_pos: list[int] = []
-    for o in outs:
-        for i, c in enumerate(o.metrics.accepted_per_position):
-            per_pos.extend([0] * (i + 1 - len(per_pos)))
-            per_pos[i] += c
-    ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
-    return {
-        "mean_acceptance_length": round(sum(steps) / len(steps), 4) if steps else 0.0,
-        "acceptance_lengths": steps,
-        "num_drafts": sum(len(o.metrics.acceptance_lengths) for o in drafted),
-        "num_draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
-        "num_accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
-        "accepted_per_position": per_pos,
-        "ttft_s": round(min(ttfts), 6) if ttfts else None,
-    }
-
-
-def _response(rid: str, model: str, obj: str, choices: list[dict], outs: list[RequestOutput],
-              return_token_ids: bool) -> dict:
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outs), "system_fingerprint": None, "specray": spec_stats(outs)}
-    if return_token_ids:
-        for choice, out in zip(choices, outs):
-            choice["token_ids"] = list(out.token_ids)
-        body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
-    return body
-
-
-class LogprobWriter:
-    """OpenAI's ``logprobs`` objects for one choice's tokens: chat's
-    ``{"content": [...]}`` or the completions API's parallel lists (whose
-    ``text_offset`` runs on across a stream's chunks). A token's text is its
-    id decoded alone, as vLLM reports it (a piece of a multi-byte character
-    reads as U+FFFD); without a tokenizer, vLLM's ``token_id:N``."""
-
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
-        self.text_offset = 0
-
-    def _text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
-
-    @staticmethod
-    def _value(logprob: float) -> float:
-        return max(logprob, -9999.0)  # JSON has no -inf; OpenAI's floor
-
-    def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        text = self._text(token_id)
-        return {"token": text, "logprob": self._value(logprob), "bytes": list(text.encode("utf-8"))}
-
-    def render(self, entries: list[TokenLogprobs]) -> dict:
-        if self.chat:
-            return {"content": [{**self._chat_entry(e.token_id, e.logprob),
-                                 "top_logprobs": [self._chat_entry(t, v) for t, v in e.top]} for e in entries],
-                    "refusal": None}
-        tokens, offsets, tops = [], [], []
-        for e in entries:
-            text = self._text(e.token_id)
-            tokens.append(text)
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
-            # The sampled token is always there, so up to k + 1 entries (OpenAI's rule).
-            top = {self._text(t): self._value(v) for t, v in e.top}
-            top.setdefault(text, self._value(e.logprob))
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [self._value(e.logprob) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}
-
-
-def completion_response(rid: str, model: str, outs: list[RequestOutput], return_token_ids: bool,
-                        logprobs: list[LogprobWriter | None]) -> dict:
-    choices = [{"index": i, "text": out.text, "logprobs": lp.render(out.logprobs) if lp else None,
-                "finish_reason": finish_reason(out)} for i, (out, lp) in enumerate(zip(outs, logprobs))]
-    return _response(rid, model, "text_completion", choices, outs, return_token_ids)
-
-
-def chat_response(rid: str, model: str, outs: list[RequestOutput], return_token_ids: bool,
-                  logprobs: list[LogprobWriter | None]) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
-                "logprobs": lp.render(out.logprobs) if lp else None, "finish_reason": finish_reason(out)}
-               for i, (out, lp) in enumerate(zip(outs, logprobs))]
-    return _response(rid, model, "chat.completion", choices, outs, return_token_ids)
-
-
-def sse(data: dict | str) -> bytes:
-    if isinstance(data, str):
-        return f"data: {data}\n\n".encode()
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-class ChunkWriter:
-    """OpenAI's streaming chunks for one request (chat or completion) and
-    its choices, each chunk naming its choice's index."""
-
-    def __init__(self, kind: str, rid: str, model: str, include_usage: bool, return_token_ids: bool,
-                 logprobs: list[LogprobWriter | None]):
-        self.chat = kind == "chat"
-        self.rid, self.model = rid, model
-        self.include_usage, self.return_token_ids = include_usage, return_token_ids
-        self.logprobs = logprobs  # one per choice
-        self.created = int(time.time())
-        self.sent_role = [False] * len(logprobs)
-
-    def _chunk(self, choices: list, **extra) -> dict:
-        body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
-        if self.include_usage:
-            body["usage"] = None
-        body.update(extra)
-        return body
-
-    def _choice(self, index: int, text: str | None, token_ids: list[int], reason: str | None,
-                entries: list[TokenLogprobs] | None = None) -> dict:
-        lp = self.logprobs[index]
-        logprobs = lp.render(entries) if lp and entries else None
-        if self.chat:
-            delta: dict = {}
-            if not self.sent_role[index]:
-                delta = {"role": "assistant", "content": ""}
-                self.sent_role[index] = True
-            if text:
-                delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        return choice
-
-    def _has_news(self, index: int, out: RequestOutput) -> bool:
-        # A token whose text is held back (a stop string's prefix, half a
-        # character) still brings its ids and log probabilities.
-        return bool(out.delta_text or (out.delta_token_ids and (self.return_token_ids or self.logprobs[index])))
-
-    def start(self) -> list[bytes]:
-        """Chat streams open each choice with the assistant role (as OpenAI's do)."""
-        if self.chat:
-            return [sse(self._chunk([self._choice(i, None, [], None)])) for i in range(len(self.logprobs))]
-        return []
-
-    def delta(self, index: int, out: RequestOutput) -> list[bytes]:
-        """Choice ``index``'s chunks for ``out``; the last one (finished)
-        carries its finish reason and speculative figures. A choice that
-        ended early gets an error event, and the stream ends there (no
-        ``[DONE]``: the stream did not complete)."""
-        chunks = []
-        entries = out.delta_logprobs if self.logprobs[index] else None
-        if not out.finished:
-            if self._has_news(index, out):
-                chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
-                                                            entries)])))
-            return chunks
-        reason = finish_reason(out)
-        if reason is None:  # aborted or failed inside the engine: an error event ends the stream
-            chunks.append(sse(output_error(out).body()))
-            return chunks
-        if self.chat and self._has_news(index, out):
-            # content first, then an empty delta carrying the finish reason
-            chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
-                                                        entries)])))
-            chunks.append(sse(self._chunk([self._choice(index, None, [], reason)], specray=spec_stats([out]))))
-        else:
-            chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, reason,
-                                                        entries)], specray=spec_stats([out]))))
-        return chunks
-
-    def end(self, outs: list[RequestOutput]) -> list[bytes]:
-        """After every choice finished: the usage chunk (when asked for), then [DONE]."""
-        chunks = [sse(self._chunk([], usage=usage(outs)))] if self.include_usage else []
-        return chunks + [sse("[DONE]")]
