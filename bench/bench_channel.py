@@ -51,6 +51,7 @@ def _sync(device):
 
 def _end(rank: int, args, rendezvous, q) -> None:
     from specray.actors import messages as M, workers as W
+    from specray.actors.transport import TorchP2PChannel
 
     if args.channel == "nccl":
         device = torch.device("cuda", rank)
@@ -62,7 +63,7 @@ def _end(rank: int, args, rendezvous, q) -> None:
         device = torch.device("cpu")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-        ch = W.TorchP2PChannel(1 - rank, "cpu")
+        ch = TorchP2PChannel(1 - rank, "cpu")
     B, width = args.block_size, args.taps * args.hidden
     if rank == 1:  # the drafter end: context in, batch in, drafts out
         while True:

@@ -59,7 +59,9 @@ def time_phases(llm: LLM, prompt: str, steps: int) -> dict:
         setattr(core, method, timed(name, getattr(core, method)))
     core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
     if core.drafter is not None:
-        core.drafter.propose = timed("propose (launch + draft argmax)", core.drafter.propose)
+        # Under faults.GuardedDrafter: time the drafter's own propose.
+        drafter = core.drafter.__dict__.get("inner", core.drafter)
+        drafter.propose = timed("propose (launch + draft argmax)", drafter.propose)
     core.target.execute = timed("target execute (launch)", core.target.execute)
     launch = engine_module.launch_decode
     engine_module.launch_decode = timed(LAUNCH, launch)

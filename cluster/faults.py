@@ -161,6 +161,17 @@ class GuardedTarget:
         return getattr(self.inner, "worker", self.inner)
 
     def execute(self, batch):
+        if self.__dict__.get("_inside"):
+            # A patch that wraps the execute it saw (this one) calls back in.
+            return self.inner.execute(batch)
+        self.__dict__["_inside"] = True
+        try:
+            logits = self._checked(batch)
+        finally:
+            self.__dict__["_inside"] = False
+        return logits
+
+    def _checked(self, batch):
         if self.before is not None:
             self.before(batch)
         logits = self._run(batch)
