@@ -122,7 +122,3 @@ class PairChannel:
         for t in out:
             if t.numel():
                 self.pg.recv([t], self.peer, self.tag).wait(self.timeout)
-
-    def close(self) -> None:
-        """Drop the pair's connections (a peer still waiting fails at once)."""
-        self.pg = None
