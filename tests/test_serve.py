@@ -131,6 +131,11 @@ def server(tmp_path_factory):
     # address="local": a fresh cluster even if `ray start` left an address file.
     ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
              logging_level="ERROR")
+    # A Serve client cached by an earlier module names that cluster's
+    # controller, which is gone with it: serve.status() would call a dead actor.
+    from ray.serve.context import _set_global_client
+
+    _set_global_client(None)
     srv = Server(root, free_port(), free_port())
     cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
     cfg["http_options"].update(host="127.0.0.1", port=srv.http_port)
