@@ -222,6 +222,7 @@ def test_bodies_drawn_from_the_published_schema_are_what_the_server_takes():
         openapi._CONTEXT.clear()
         app.openapi_schema = None
     refused = {"positive": [], "negative": []}
+    taken = []
     for c in fuzz_http.generate_cases(doc, 40, 7, "m"):
         model = P.CompletionRequest if c["operation"] == "completions" else P.ChatCompletionRequest
         try:
@@ -231,7 +232,13 @@ def test_bodies_drawn_from_the_published_schema_are_what_the_server_takes():
             req.sampling_params(req.max_new_tokens(16) if model is P.ChatCompletionRequest else req.max_new_tokens())
         except P.APIError as e:
             refused[c["mode"]].append(e.param)
-    assert len(refused["negative"]) == 80, "a body outside the schema was taken"
+        else:
+            if c["mode"] == "negative":
+                taken.append((c["operation"], c["raw"]))
+    assert taken == [], "bodies outside the schema were taken"
+    # Hypothesis may draw fewer than asked (duplicates, rejected draws); the
+    # property is that every one drawn is refused, over a fair number.
+    assert len(refused["negative"]) >= 60
     assert [p for p in refused["positive"] if p != "min_tokens"] == [], refused["positive"]
 
 
