@@ -156,6 +156,30 @@ def test_sampled_requests_go_on_through_a_drafter_loss(models):
     assert pools_free(llm.engine)
 
 
+def test_a_patch_on_the_guarded_drafter_runs_inside_the_guard(models, want):
+    """Tests and benches wrap the drafter method they see (the guard's):
+    the wrapper runs in place of the drafter's own method, calls through
+    without recursing, and its failure is a drafter loss like any other."""
+    llm = LLM(models / "t", models / "d", **KW)
+    guard, calls = llm.engine.drafter, []
+    seen = guard.propose
+
+    def wrapped(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected in the wrapper")
+        return seen(batch)
+
+    guard.propose = wrapped
+    assert "propose" not in vars(guard.inner)  # the drafter itself stays unpatched
+    got = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == want and len(calls) == 3
+    assert llm._faults.drafter.losses == 1 and "injected in the wrapper" in llm._faults.drafter.error
+    # the new drafter's guard carries no patch: it speculates undisturbed
+    assert llm.engine.drafter is not guard and not llm.engine.drafter._patches
+    assert all(o.metrics.num_draft_tokens for o in llm.generate(PROMPTS, GREEDY))
+
+
 def loop_for(models, **kw) -> EngineLoop:
     engine = build_engine(EngineConfig(target=str(models / "t"), drafter=str(models / "d"), **{**KW, **kw}))
     return EngineLoop(engine)
