@@ -134,9 +134,9 @@ class ProposeBatcher:
     holds the model's lock next: a batch is what gathered while the last
     one ran. Replicas whose proposals arrive one after the other (two
     replicas in turn, each verifying while the drafter serves the other)
-    never gather that way; ``gather_s`` > 0 lets the thread about to run a
-    batch wait that long for the other live replicas' proposals
-    (``expected()`` of them in all), trading that wait for a shared
+    never gather that way; ``gather_s`` > 0 lets a proposal wait up to
+    that long (not holding the model) until the other live replicas' have
+    arrived (``expected()`` in all), trading that wait for a shared
     propose."""
 
     def __init__(self, propose, model_lock: threading.Lock, gather_s: float = 0.0, expected=lambda: 1):

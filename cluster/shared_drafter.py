@@ -26,9 +26,9 @@ from specray.config import ConfigError, EngineConfig, TargetSpec
 
 
 def replicas_per_drafter(propose_ms: float, verify_ms: float) -> int:
-    """Target replicas one drafter can serve, from a replica's measured
-    propose and verify times a step (``bench/step_phases.py`` measures
-    both). A replica waits for its drafts, then verifies; while it
+    """Target replicas one drafter can serve, from one replica's measured
+    propose and verify times a step (on the deployment's hardware;
+    ``bench/step_phases.py`` times the propose phase). A replica waits for its drafts, then verifies; while it
     verifies, the drafter can serve the others. With ``N`` replicas in turn
     none waits on a busy drafter while ``(N - 1) * propose <= verify``, so
     ``1 + verify / propose`` replicas would keep the drafter busy all the
@@ -68,7 +68,7 @@ class SharedDrafter:
     blocks_per_replica: int
     release: weakref.finalize | None = field(default=None, repr=False)
 
-    def replica(self, index: int) -> "DrafterShare":
+    def replica(self, index: int) -> DrafterShare:
         if not 0 <= index < self.num_replicas:
             raise ConfigError(f"replica index must be in [0, {self.num_replicas}), got {index}")
         return DrafterShare(self, index)

@@ -143,7 +143,8 @@ def test_two_replicas_share_one_drafter(cluster):
     llms = []
     try:
         llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **KW) for r in range(2)]
-        assert not llms[0].stats()["features"]["async_scheduling"]["on"]
+        features = llms[0].stats()["features"]
+        assert not features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         for name, params in params_sets():
             assert generate_at_once(llms, params) == want[name], name
         stats = shared.stats()
@@ -158,6 +159,30 @@ def test_two_replicas_share_one_drafter(cluster):
         got = llms[1].generate(PROMPTS[1], greedy[1])
         assert [o.token_ids for o in got] == want["greedy"][1]
         assert sum(o.metrics.num_draft_tokens for o in got) > 0
+    finally:
+        for llm in llms:
+            llm.shutdown()
+        shared.shutdown()
+
+
+def test_async_config_runs_synchronous_steps(cluster):
+    """Replicas configured for async step graphs (their eager CPU path, and
+    the drafter's padded propose / store through its decode buffers) run
+    synchronous steps under N:1: the features say why, tokens are still
+    the in-process engine's."""
+    root = cluster
+    kw = dict(KW, cuda_graphs=True, async_scheduling=True, max_num_seqs=8, adaptive_speculation=False)
+    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **kw)
+    greedy = params_sets()[0][1]
+    want = [[o.token_ids for o in LLM(root / "t", root / "d").generate(PROMPTS[r], greedy[r])] for r in range(2)]
+    shared = start_shared_drafter(config, 2)
+    llms = []
+    try:
+        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **kw) for r in range(2)]
+        feature = llms[0].stats()["features"]["async_scheduling"]
+        assert not feature["on"] and "N:1" in feature["reason"], feature
+        assert generate_at_once(llms, greedy) == want
+        assert all(llm.stats()["num_async_steps"] == 0 for llm in llms)
     finally:
         for llm in llms:
             llm.shutdown()
@@ -181,6 +206,43 @@ def test_lost_shared_drafter_replicas_step_on(cluster):
         assert generate_at_once(llms, greedy) == want
         for llm in llms:
             assert llm.stats()["drafter"]["state"] != "up"
+    finally:
+        for llm in llms:
+            llm.shutdown()
+        shared.shutdown()
+
+
+def test_replica_rebuilt_pairs_again(cluster):
+    """Replica 0's rank 0 SIGKILLed: its group is rebuilt and pairs with the
+    shared drafter again under its index (the old pair's loop ends); both
+    replicas then draft and give the in-process tokens."""
+    import os
+    import signal
+
+    import ray._private.state
+
+    root = cluster
+    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **KW)
+    greedy = params_sets()[0][1]
+    want = [[o.token_ids for o in LLM(root / "t", root / "d").generate(PROMPTS[r], greedy[r])] for r in range(2)]
+    shared = start_shared_drafter(config, 2)
+    llms = []
+    try:
+        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **KW) for r in range(2)]
+        assert generate_at_once(llms, greedy) == want
+        pid = ray._private.state.actors()[llms[0]._core.driver._actor_id.hex()]["Pid"]
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 120
+        while llms[0]._core.group.rebuilds == 0:  # the front finds it lost on its next call
+            try:
+                llms[0].generate(PROMPTS[0][:1], greedy[0][:1])
+            except Exception:  # noqa: BLE001  (EngineUnavailable while it is rebuilt)
+                pass
+            assert time.monotonic() < end
+        got = [llms[r].generate(PROMPTS[r], greedy[r]) for r in range(2)]
+        assert [[o.token_ids for o in g] for g in got] == want
+        assert all(sum(o.metrics.num_draft_tokens for o in g) > 0 for g in got)
+        assert all(llm.stats()["drafter"]["state"] == "up" for llm in llms)
     finally:
         for llm in llms:
             llm.shutdown()
