@@ -105,13 +105,17 @@ def params_sets():
     return [("greedy", [greedy, greedy]), ("sampled", sampled)]
 
 
-def generate_at_once(llms, params):
-    """Both replicas' generate calls in flight together."""
+def generate_at_once(llms, params, steps=None):
+    """Both replicas' generate calls in flight together; their tokens (and
+    into ``steps``, each request's accepted drafts per step)."""
     out, errors = [None, None], []
 
     def run(r):
         try:
-            out[r] = [o.token_ids for o in llms[r].generate(PROMPTS[r], params[r])]
+            got = llms[r].generate(PROMPTS[r], params[r])
+            out[r] = [o.token_ids for o in got]
+            if steps is not None:
+                steps[r] = [o.metrics.acceptance_lengths for o in got]
         except BaseException as e:  # noqa: BLE001  (the test reports it)
             errors.append(e)
 
@@ -132,9 +136,12 @@ def test_two_replicas_share_one_drafter(cluster):
         want[name] = [[o.token_ids for o in local.generate(PROMPTS[r], params[r])] for r in range(2)]
     # 1:1: the same engine with a drafter actor of its own.
     solo = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate", **KW)
+    solo_steps = {}
     try:
         for name, params in params_sets():
-            assert [[o.token_ids for o in solo.generate(PROMPTS[r], params[r])] for r in range(2)] == want[name]
+            got = [solo.generate(PROMPTS[r], params[r]) for r in range(2)]
+            assert [[o.token_ids for o in g] for g in got] == want[name]
+            solo_steps[name] = [[o.metrics.acceptance_lengths for o in g] for g in got]
     finally:
         solo.shutdown()
 
@@ -146,7 +153,10 @@ def test_two_replicas_share_one_drafter(cluster):
         features = llms[0].stats()["features"]
         assert not features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         for name, params in params_sets():
-            assert generate_at_once(llms, params) == want[name], name
+            steps = [None, None]
+            assert generate_at_once(llms, params, steps) == want[name], name
+            # The drafts too are a drafter of its own's: each step accepts as many.
+            assert steps == solo_steps[name], name
         stats = shared.stats()
         assert stats["blocks_per_replica"] == 300 and all(s > 10 for s in stats["steps"]), stats
         assert stats["merged"] > 0, stats  # some proposes served both replicas at once
