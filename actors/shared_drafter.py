@@ -52,6 +52,9 @@ from specray.sampling import SamplingTensors
 
 log = logging.getLogger("specray.shared_drafter")
 
+# A replica that proposed within this many seconds is expected to again soon.
+ACTIVE_S = 1.0
+
 ASYNC_UNSUPPORTED = "a drafter shared by several replicas (N:1) serves synchronous steps only"
 
 
@@ -136,8 +139,8 @@ class ProposeBatcher:
     replicas in turn, each verifying while the drafter serves the other)
     never gather that way; ``gather_s`` > 0 lets a proposal wait up to
     that long (not holding the model) until the other live replicas' have
-    arrived (``expected()`` in all), trading that wait for a shared
-    propose."""
+    arrived (``expected()`` in all: the replicas proposing lately),
+    trading that wait for a shared propose."""
 
     def __init__(self, propose, model_lock: threading.Lock, gather_s: float = 0.0, expected=lambda: 1):
         self.propose, self.model_lock = propose, model_lock
@@ -212,10 +215,17 @@ class SharedDrafterActor:
         )
         self.blocks_per_replica = 0
         self.channels: list = [None] * num_replicas
+        self.last_propose = [float("-inf")] * num_replicas  # monotonic time of each replica's last proposal
         self.steps = [0] * num_replicas
         self.model_lock = threading.Lock()
         self.batcher = ProposeBatcher(self.worker.propose, self.model_lock, gather_s,
-                                      lambda: sum(c is not None for c in self.channels))
+                                      self._active)
+
+    def _active(self) -> int:
+        """Replicas worth waiting for: connected, and proposing lately (an
+        idle replica must not cost the others ``gather_s`` a step)."""
+        now = time.monotonic()
+        return max(1, sum(c is not None and now - t < ACTIVE_S for c, t in zip(self.channels, self.last_propose)))
 
     def node_id(self) -> str:
         return node_id()
@@ -263,6 +273,7 @@ class SharedDrafterActor:
                     with self.model_lock, torch.inference_mode():
                         self.worker.store_context(hidden, pos_slots[0], pos_slots[1] + base_slot)
                 elif cmd == CMD_PROPOSE:
+                    self.last_propose[replica] = time.monotonic()
                     out = self.batcher(offset_batch(unpack_draft_batch(ts), base))
                     channel.send(CMD_DRAFTS, pack_draft_output(out))
                     self.steps[replica] += 1
