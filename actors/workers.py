@@ -392,9 +392,12 @@ class TargetRank:
     # rank 0
     def start_engine(self, num_target_blocks: int, num_draft_blocks: int | None, drafter_mode: str,
                      channel_kind: str | None = None, unique_id=None, address: str | None = None,
-                     drafter_handle=None, placement_group=None, drafter_bundle: int | None = None) -> None:
+                     drafter_handle=None, placement_group=None, drafter_bundle: int | None = None,
+                     shared: bool = False) -> None:
         """``drafter_handle`` (with the ``placement_group`` and its bundle
-        index): the separate drafter's actor, replaced when it is lost."""
+        index): the separate drafter's actor, replaced when it is lost.
+        ``shared``: the separate drafter serves other replicas too
+        (shared_drafter.py); this one steps on without it once it is lost."""
         from specray.detokenizer import load_tokenizer
         from specray.engine import EngineCore
         from specray.engine_loop import EngineLoop
@@ -408,8 +411,16 @@ class TargetRank:
         elif drafter_mode == "separate":
             channel = drafter_channel(channel_kind, 0, self.device, address, unique_id,
                                       timeout_s=self.config.drafter_timeout_s)
-            drafter = RemoteDrafter(channel, self.device)
-            if drafter_handle is not None:
+            if shared:
+                from specray.actors.shared_drafter import ASYNC_UNSUPPORTED, SharedRemoteDrafter, log
+
+                drafter = SharedRemoteDrafter(channel, self.device)
+                if self.config.async_scheduling:
+                    log.warning("async_scheduling is on, but %s: this replica runs synchronous steps",
+                                ASYNC_UNSUPPORTED)
+            else:
+                drafter = RemoteDrafter(channel, self.device)
+            if drafter_handle is not None and not shared:
                 restart = RemoteDrafterRestart(drafter_handle, self.config, self.max_model_len, num_draft_blocks,
                                                channel_kind, placement_group, drafter_bundle, self.device,
                                                address)

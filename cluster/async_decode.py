@@ -272,8 +272,9 @@ class AsyncSteps:
         if self.config.sync_timing:
             return "sync_timing measures synchronous steps"
         workers = [self.target] + ([self.drafter] if self.drafter is not None else [])
-        if not all(getattr(w, "runs_step_graphs", False) for w in workers):
-            return "needs step graphs on every worker"
+        for w in workers:
+            if not getattr(w, "runs_step_graphs", False):
+                return getattr(w, "step_graphs_unsupported", None) or "needs step graphs on every worker"
         return None
 
     def _async_eligible(self, plan) -> bool:

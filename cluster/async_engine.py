@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from specray.config import EngineConfig
+from specray.config import ConfigError, EngineConfig
 from specray.faults import EngineUnavailable
 from specray.request import PromptsRefused, RequestOutput
 from specray.sampling import SamplingParams
@@ -240,7 +240,11 @@ class _RayCore:
 
 
 def make_core(config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
-              drafter_placement: str = "auto"):
+              drafter_placement: str = "auto", shared_drafter=None):
+    """``shared_drafter``: a ``shared_drafter.DrafterShare`` (Ray backend):
+    the engine's drafter is an actor serving other replicas too."""
+    if shared_drafter is not None and backend != "ray":
+        raise ConfigError("shared_drafter needs backend='ray'")
     if backend == "inprocess":
         from specray.engine_loop import EngineLoop
         from specray.llm import build_engine
@@ -256,7 +260,8 @@ def make_core(config: EngineConfig, backend: str = "inprocess", tensor_parallel_
         from specray.placement import start_engine_actors
 
         def start():
-            return start_engine_actors(config, tensor_parallel_size, drafter_placement)
+            return start_engine_actors(config, tensor_parallel_size, drafter_placement,
+                                       shared_drafter=shared_drafter)
 
         return _RayCore(start(), start)
     raise ValueError(f"backend must be 'inprocess' or 'ray', got {backend!r}")
@@ -273,8 +278,8 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, backend: str = "inprocess", tensor_parallel_size: int = 1,
-                    drafter_placement: str = "auto") -> "AsyncEngine":
-        return cls(make_core(config, backend, tensor_parallel_size, drafter_placement))
+                    drafter_placement: str = "auto", shared_drafter=None) -> "AsyncEngine":
+        return cls(make_core(config, backend, tensor_parallel_size, drafter_placement, shared_drafter))
 
     async def generate(
         self,

@@ -136,7 +136,9 @@ class LLM:
     baseline every benchmark compares against. ``backend="ray"`` runs the
     target as ``tensor_parallel_size`` Ray actors and the drafter as its own
     actor (``drafter_placement="separate"``) or inside target rank 0
-    (``"colocated"``; ``"auto"`` picks, ``placement.resolve_placement``)."""
+    (``"colocated"``; ``"auto"`` picks, ``placement.resolve_placement``).
+    ``shared_drafter``: a replica's place at a drafter actor serving several
+    engines (``shared_drafter.start_shared_drafter(...).replica(i)``)."""
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class LLM:
         backend: str = "inprocess",
         tensor_parallel_size: int = 1,
         drafter_placement: str = "auto",
+        shared_drafter=None,
         **kwargs,
     ):
         self.config = EngineConfig(
@@ -155,6 +158,8 @@ class LLM:
         self.backend = backend
         self.engine: EngineCore | None = None
         self._core = None
+        if shared_drafter is not None and backend != "ray":
+            raise ConfigError("shared_drafter needs backend='ray'")
         if backend == "inprocess":
             if tensor_parallel_size != 1:
                 raise ConfigError("tensor_parallel_size > 1 needs backend='ray'")
@@ -168,7 +173,7 @@ class LLM:
         elif backend == "ray":
             from specray.async_engine import make_core
 
-            self._core = make_core(self.config, "ray", tensor_parallel_size, drafter_placement)
+            self._core = make_core(self.config, "ray", tensor_parallel_size, drafter_placement, shared_drafter)
             self._tokenizer = load_tokenizer(self.config.target)
         else:
             raise ConfigError(f"backend must be 'inprocess' or 'ray', got {backend!r}")

@@ -120,10 +120,21 @@ def start_engine_actors(
     tensor_parallel_size: int = 1,
     drafter_placement: str = "auto",
     ready_timeout_s: float = 120.0,
+    shared_drafter=None,
 ) -> EngineActors:
+    """``shared_drafter``: a ``shared_drafter.DrafterShare``, this replica's
+    place at a drafter actor serving several replicas (N:1); the drafter is
+    then not this engine's to start or end."""
     from specray.actors.workers import DrafterActor, TargetRank
     from specray.llm import resolve_max_model_len
 
+    if shared_drafter is not None:
+        if drafter_placement not in ("auto", "separate"):
+            raise ConfigError(f"a shared drafter runs apart from the targets: drafter_placement must be 'separate' "
+                              f"(or 'auto'), got {drafter_placement!r}")
+        if not config.drafter:
+            raise ConfigError("a shared drafter needs config.drafter")
+        drafter_placement = "separate"
     drafter_placement = resolve_placement(drafter_placement)
     tp = int(tensor_parallel_size)
     if tp < 1:
@@ -135,13 +146,20 @@ def start_engine_actors(
 
         DrafterSpec.from_dir(config.drafter).check_fits(target_spec)
     max_model_len = resolve_max_model_len(config, target_spec)
+    if shared_drafter is not None:
+        from specray.shared_drafter import check_compatible
+
+        check_compatible(shared_drafter.drafter.config, config)
+        if shared_drafter.drafter.max_model_len != max_model_len:
+            raise ConfigError(f"max_model_len {max_model_len} differs from the shared drafter's "
+                              f"{shared_drafter.drafter.max_model_len}")
     ray = ensure_ray()
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpu = config.device != "cpu"
     separate = bool(config.drafter) and drafter_placement == "separate"
-    n_bundles = tp + int(separate)
+    n_bundles = tp + int(separate and shared_drafter is None)
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
     _check_resources(ray, {k: v * n_bundles for k, v in bundle.items()})
     pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
@@ -163,10 +181,11 @@ def start_engine_actors(
         )
 
     ranks = [ray.remote(TargetRank).options(**opts(r)).remote(config, r, tp, max_model_len) for r in range(tp)]
-    drafter = ray.remote(DrafterActor).options(**opts(tp)).remote(config, max_model_len) if separate else None
+    own = separate and shared_drafter is None
+    drafter = ray.remote(DrafterActor).options(**opts(tp)).remote(config, max_model_len) if own else None
     actors = EngineActors(ranks[0], ranks, drafter, pg)
     try:
-        _wire(ray, actors, config, tp, gpu, separate, drafter_placement)
+        _wire(ray, actors, config, tp, gpu, separate, drafter_placement, shared_drafter)
     except BaseException:
         actors.shutdown(timeout_s=5)
         raise
@@ -174,8 +193,10 @@ def start_engine_actors(
     return actors
 
 
-def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement) -> None:
+def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement, share=None) -> None:
     ranks, drafter = actors.ranks, actors.drafter
+    if share is not None:
+        drafter = share.drafter.actor
     # Process group: the TP ranks. A separate drafter pairs with rank 0
     # over a gloo group of their own (pair_channel.py), so that a new one can.
     world = tp
@@ -200,12 +221,16 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
     n_draft = None
     if config.drafter:
         n_draft = config.num_draft_kv_blocks or n_target
-        if separate and config.num_draft_kv_blocks is None:
+        if share is not None:
+            # The replica's partition of the shared pool.
+            n_draft = min(n_draft, share.drafter.blocks_per_replica)
+        elif separate and config.num_draft_kv_blocks is None:
             n_draft = min(n_target, ray.get(drafter.kv_capacity.remote()))
     for n, what in ((n_target, "target KV"), (n_draft, "drafter context KV")):
         if n is not None and n < 2:
             raise ConfigError(f"no memory left for the {what} cache ({n} blocks)")
-    ray.get([r.init_cache.remote(n_target) for r in ranks] + ([drafter.init_cache.remote(n_draft)] if separate else []))
+    own = separate and share is None
+    ray.get([r.init_cache.remote(n_target) for r in ranks] + ([drafter.init_cache.remote(n_draft)] if own else []))
 
     start_kwargs = dict(num_target_blocks=n_target, num_draft_blocks=n_draft,
                         drafter_mode="separate" if separate else ("colocated" if colocated else "none"))
@@ -223,11 +248,15 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
             actors.rendezvous_dir = tempfile.mkdtemp(prefix="specray-pg-")
         address = pair_address(ends[0] == ends[1], ip, port, actors.rendezvous_dir)
         start_kwargs.update(channel_kind=kind, unique_id=uid, address=address)
-        pending.append(drafter.connect.remote(kind, address, uid))
-        start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group, drafter_bundle=tp)
+        if share is not None:
+            pending.append(drafter.connect.remote(share.index, kind, address, uid))
+            start_kwargs.update(shared=True)
+        else:
+            pending.append(drafter.connect.remote(kind, address, uid))
+            start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group, drafter_bundle=tp)
     # NCCL communicators form collectively: both ends must be constructing.
     pending.append(ranks[0].start_engine.remote(**start_kwargs))
     ray.get(pending)
     actors.loops = [r.serve_follower.remote() for r in ranks[1:]]
     if separate:
-        actors.loops.append(drafter.serve.remote())
+        actors.loops.append(drafter.serve.remote() if share is None else drafter.serve_replica.remote(share.index))
