@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 
+import torch
 from common import add_model_args, write_report
 from specray import LLM, SamplingParams
 from specray.bench import load_prompts
@@ -34,13 +35,22 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    p.add_argument("--cpu-threads", type=int,
+                   help="torch threads of every engine process, this one and the actors (on a CPU shared with "
+                        "other work, two threads per process oversubscribe the cores: the in-process engine ran "
+                        "2-3x slower than with one)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if args.cpu_threads:
+        # Before the actors start: they read it (workers.cpu_threads).
+        os.environ["SPECRAY_CPU_THREADS"] = str(args.cpu_threads)
+        torch.set_num_threads(args.cpu_threads)
     target, drafter = resolve_models(args)
     llms = {path: LLM(target, drafter, device=args.device, max_model_len=2048, max_num_seqs=max(args.batch_sizes),
                       gpu_memory_utilization=0.25, **PATHS[path]) for path in args.paths}
     report = {"command": " ".join(["python"] + sys.argv), "machine": platform.node(), "cpus": os.cpu_count(),
-              "device": args.device, "max_tokens": args.max_tokens, "temperature": 0.0, "points": []}
+              "device": args.device, "torch_threads": torch.get_num_threads(),
+              "max_tokens": args.max_tokens, "temperature": 0.0, "points": []}
     try:
         prompts = [q for _, q in load_prompts(args.prompts, llms[args.paths[0]].tokenizer, args.limit)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
