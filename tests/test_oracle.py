@@ -1,0 +1,136 @@
+"""Oracle acceptance (oracle.py): drafts are the target's recorded greedy
+continuation cut by a profile; the output stays the target's greedy output
+and the measured acceptance is the profile's."""
+
+import pytest
+import torch
+
+from factories import make_models, run_engine_to_end
+from specray.config import ConfigError, EngineConfig
+from specray.llm import build_engine
+from specray.oracle import ORACLE_ENGINE_SETTINGS, PROFILES, Oracle, get_profile, install_oracle
+from specray.sampling import SamplingParams
+
+B = 8  # the drafter's block: 7 drafts a step
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("oracle"), seed=3, drafter_seed=13, block_size=B, vocab_size=320)
+
+
+def engine(root, drafter: bool, async_: bool = False, **kw):
+    settings = dict(ORACLE_ENGINE_SETTINGS) if drafter else {}
+    return build_engine(EngineConfig(
+        target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4, num_kv_blocks=400,
+        max_model_len=128, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_, **settings, **kw))
+
+
+def prompts(n=6, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 319, (int(torch.randint(4, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def recorded(models):
+    """The AR greedy outputs of the prompts (pass 1)."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * len(ps)
+    return ps, params, run_engine_to_end(engine(models, drafter=False), ps, params)
+
+
+def oracle_run(models, recorded, profile, **kw):
+    ps, params, ar = recorded
+    eng = engine(models, drafter=True, **kw)
+    oracle = Oracle(profile, eng.target_spec.vocab_size)
+    oracle.record_outputs(ar)
+    oracle.trace = []
+    install_oracle(eng, oracle)
+    outs = run_engine_to_end(eng, ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]  # lossless, whatever the drafts
+    assert oracle.stats.diverged == set() and oracle.stats.unrecorded == 0
+    # Every step emits exactly its draw's k correct drafts + the bonus (fewer
+    # only where max_tokens cuts the block): verification accepts the
+    # recorded tokens and rejects the first wrong one.
+    for o in outs:
+        draws = [k for rid, _, k in oracle.trace if rid == o.request_id]
+        emitted, got = 1, []
+        for k in draws:
+            got.append(min(k + 1, MAX_TOKENS - emitted))
+            emitted += got[-1]
+        assert got == o.metrics.acceptance_lengths
+    return outs, oracle
+
+
+def full_block_steps(outs):
+    """Acceptance lengths of steps whose block was not cut by max_tokens."""
+    out = []
+    for o in outs:
+        emitted = 1  # the prefill's token
+        for a in o.metrics.acceptance_lengths:
+            if MAX_TOKENS - emitted >= B:
+                out.append(a)
+            emitted += a
+    return out
+
+
+def test_profile_one_accepts_every_block(models, recorded):
+    outs, oracle = oracle_run(models, recorded, "const:1.0")
+    steps = full_block_steps(outs)
+    assert steps and all(a == B for a in steps)
+
+
+def test_profile_zero_accepts_nothing(models, recorded):
+    outs, _ = oracle_run(models, recorded, "const:0")
+    assert all(a == 1 for o in outs for a in o.metrics.acceptance_lengths)
+
+
+@pytest.mark.parametrize("profile", ["const:0.7", "paper-qwen3-8b-gsm8k"])
+def test_mean_acceptance_matches_profile(models, recorded, profile):
+    outs, oracle = oracle_run(models, recorded, profile)
+    steps = full_block_steps(outs)
+    want = get_profile(profile).expected_length(B - 1)
+    assert len(steps) >= 25
+    mean = sum(steps) / len(steps)
+    # oracle_run checked each step against its draw; the draws' law is
+    # test_accept_counts_follow_the_profile's (20000 of them). Here a few
+    # dozen steps (sd ~2-3 each): within ~3 standard errors. Deterministic.
+    assert abs(mean - want) < 3 * 2.6 / len(steps) ** 0.5, (mean, want)
+
+
+def test_draws_are_reproducible(models, recorded):
+    a, _ = oracle_run(models, recorded, "const:0.6")
+    b, _ = oracle_run(models, recorded, "const:0.6")
+    assert [o.metrics.acceptance_lengths for o in a] == [o.metrics.acceptance_lengths for o in b]
+
+
+def test_accept_counts_follow_the_profile():
+    """Many draws: P(k >= i) is the profile's survival."""
+    prof = get_profile("paper-qwen3-8b-gsm8k")
+    assert abs(prof.expected_length(15) - 6.5) < 0.01
+    n = 20000
+    keys = torch.arange(n, dtype=torch.int64) * 7919 + 1
+    k = prof.accept_counts(keys, torch.full((n,), 37, dtype=torch.int64), 15)
+    for i, s in enumerate(prof.survival_for(15), 1):
+        assert abs((k >= i).double().mean().item() - s) < 0.015
+    assert abs(1 + k.double().mean().item() - 6.5) < 0.05
+
+
+def test_profiles_registry():
+    assert set(PROFILES) >= {"paper-qwen3-8b-gsm8k", "embedded-eval"}
+    # The run it comes from measured 2.445 (its blocks cut short near max_tokens: a little lower).
+    assert abs(get_profile("embedded-eval").expected_length(15) - 2.445) < 0.02
+    assert get_profile("const:0.5").expected_length(3) == 1 + 0.5 + 0.25 + 0.125
+    for bad in ("const:1.5", "const:x", "nope"):
+        with pytest.raises(ValueError):
+            get_profile(bad)
+
+
+def test_refuses_settings_that_bypass_drafts(models):
+    eng = build_engine(EngineConfig(target=str(models / "t"), drafter=str(models / "d"), kv_block_size=4,
+                                    num_kv_blocks=100, max_model_len=64, max_num_seqs=2, prompt_lookup_min=2,
+                                    draft_tree=False))
+    with pytest.raises(ConfigError, match="prompt_lookup_min=0"):
+        install_oracle(eng, Oracle("const:1.0", 320))
