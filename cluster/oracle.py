@@ -77,15 +77,17 @@ class AcceptanceProfile:
         of ``num_drafts`` drafts."""
         return 1.0 + sum(self.survival_for(num_drafts))
 
-    def accept_counts(self, keys: torch.Tensor, positions: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    def accept_counts(self, keys: torch.Tensor, positions: torch.Tensor, num_drafts: int,
+                      survival: torch.Tensor | None = None) -> torch.Tensor:
         """``[n]`` int64: correct drafts of the blocks at ``positions`` of the
         requests with hash ``keys`` (one uniform ``u`` each, ``k`` = the
         number of positions ``i`` with ``u < survival[i]``: P(k >= i) =
         survival[i], the survival being non-increasing). Host or device
         tensors alike, the same draws."""
         u = hash_uniform(keys, positions, STREAM_ORACLE)
-        surv = torch.tensor(self.survival_for(num_drafts), dtype=torch.float64, device=u.device)
-        return (u[:, None] < surv[None, :]).sum(1)
+        if survival is None:  # (a graph being captured takes it made beforehand: no copy inside)
+            survival = torch.tensor(self.survival_for(num_drafts), dtype=torch.float64, device=u.device)
+        return (u[:, None] < survival[None, :]).sum(1)
 
 
 def _paper_qwen3_8b_gsm8k() -> tuple[float, ...]:
@@ -139,14 +141,16 @@ def get_profile(name: str) -> AcceptanceProfile:
 
 @dataclass
 class OracleStats:
-    steps: int = 0  # block rows the oracle drafted
-    correct_drafts: int = 0  # drafts it made correct (the k's)
+    # Counted on the host: synchronous steps, and asynchronous chains' first
+    # steps (their later steps draft on the device).
+    steps: int = 0  # synchronous steps' block rows the oracle drafted
+    correct_drafts: int = 0  # the correct drafts it gave them (their k's)
     diverged: set = field(default_factory=set)  # requests whose tokens left the recording
     unrecorded: int = 0  # rows of prompts never recorded (the drafter's own drafts)
     sampled: int = 0  # rows at T > 0 (the drafter's own drafts)
 
     def as_dict(self) -> dict:
-        return {"rows": self.steps, "correct_drafts": self.correct_drafts, "diverged_requests": len(self.diverged),
+        return {"sync_rows": self.steps, "sync_correct_drafts": self.correct_drafts, "diverged_requests": len(self.diverged),
                 "unrecorded_rows": self.unrecorded, "sampled_rows": self.sampled}
 
 
@@ -160,7 +164,9 @@ class Oracle:
         self.seed = seed
         self.sequences: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + continuation
         self.stats = OracleStats()
-        self.trace: list[tuple[str, int, int]] | None = None  # a list: (request id, position, k) of every draw
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}  # the sequences as tensors (chain uploads)
+        self._survival: dict[tuple, torch.Tensor] = {}
+        self._keys: dict[tuple[int, ...], int] = {}
 
     @property
     def name(self) -> str:
@@ -179,8 +185,11 @@ class Oracle:
 
     def key(self, prompt_ids) -> int:
         """The request's hash key: its prompt's (and the oracle's seed)."""
-        crc = zlib.crc32(array("q", [int(t) for t in prompt_ids]).tobytes())
-        return (crc ^ (self.seed * 0x9E3779B97F4A7C15)) & 0x3FFFFFFFFFFFFFFF
+        prompt = tuple(prompt_ids)
+        if prompt not in self._keys:
+            crc = zlib.crc32(array("q", [int(t) for t in prompt]).tobytes())
+            self._keys[prompt] = (crc ^ (self.seed * 0x9E3779B97F4A7C15)) & 0x3FFFFFFFFFFFFFFF
+        return self._keys[prompt]
 
     def drafts(self, requests, starts: list[int], num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n, G]`` drafts of the blocks at ``starts`` (the position of each
@@ -191,20 +200,9 @@ class Oracle:
         rec = torch.zeros(n, G, dtype=torch.int64)
         use = torch.zeros(n, dtype=torch.bool)
         keys = torch.zeros(n, dtype=torch.int64)
-        st = self.stats
         for s, (r, p) in enumerate(zip(requests, starts)):
-            if not r.params.greedy:
-                st.sampled += 1
-                continue
-            seq = self.sequences.get(tuple(r.prompt_token_ids))
+            seq = self._follows(r, p)
             if seq is None:
-                st.unrecorded += 1
-                continue
-            if r.request_id in st.diverged:
-                continue
-            tokens = r.all_token_ids
-            if p >= len(seq) or p >= len(tokens) or seq[p] != tokens[p]:
-                st.diverged.add(r.request_id)
                 continue
             ahead = seq[p + 1 : p + 1 + G]
             rec[s, : len(ahead)] = torch.tensor(ahead, dtype=torch.int64)
@@ -212,11 +210,76 @@ class Oracle:
             keys[s] = self.key(r.prompt_token_ids)
         k = self.profile.accept_counts(keys, torch.tensor(starts, dtype=torch.int64), G)
         out = torch.where(torch.arange(G)[None, :] < k[:, None], rec, (rec + 1) % self.vocab_size)
+        st = self.stats
         st.steps += int(use.sum())
         st.correct_drafts += int(k[use].sum())
-        if self.trace is not None:
-            self.trace += [(r.request_id, p, int(k[s])) for s, (r, p) in enumerate(zip(requests, starts)) if use[s]]
         return out, use
+
+    def _follows(self, r, p: int) -> list[int] | None:
+        """The recorded sequence of request ``r`` if the oracle drafts its
+        block at ``p`` (counting the rows it does not draft)."""
+        st = self.stats
+        if not r.params.greedy:
+            st.sampled += 1
+            return None
+        seq = self.sequences.get(tuple(r.prompt_token_ids))
+        if seq is None:
+            st.unrecorded += 1
+            return None
+        if r.request_id in st.diverged:
+            return None
+        if p >= len(seq):  # past the recording (a longer max_tokens than pass 1's)
+            st.unrecorded += 1
+            return None
+        tokens = r.all_token_ids
+        # (A chain launched from a prefill opens with a token the host has
+        # not read yet: the device checks it.)
+        if p < len(tokens) and seq[p] != tokens[p]:
+            st.diverged.add(r.request_id)
+            return None
+        return seq
+
+    # ----------------------------------------- asynchronous step graphs
+    # A chain's first step uploads, per row, the recorded sequence, the
+    # hash key and whether the oracle drafts the row; every step of the
+    # chain drafts on the device from the row's block start (step_parts.py),
+    # with the same draws as a synchronous step at that position.
+    def prepare(self, device, num_drafts: int) -> None:
+        """Make the profile's tensor on ``device`` before a graph is captured."""
+        key = (str(device), num_drafts)
+        if key not in self._survival:
+            self._survival[key] = torch.tensor(self.profile.survival_for(num_drafts), dtype=torch.float64,
+                                               device=device)
+
+    def chain_inputs(self, requests, starts: list[int]) -> dict[str, torch.Tensor]:
+        """``oracle_seq`` ``[S, L]`` (zero-padded), ``oracle_key`` ``[S]``,
+        ``oracle_use`` ``[S]`` for a chain's first step."""
+        rows, keys, use = [], [], []
+        for r, p in zip(requests, starts):
+            seq = self._follows(r, p)
+            prompt = tuple(r.prompt_token_ids)
+            if seq is not None and prompt not in self._rows:
+                self._rows[prompt] = torch.tensor(seq, dtype=torch.int64)
+            rows.append(self._rows[prompt] if seq is not None else torch.zeros(1, dtype=torch.int64))
+            keys.append(self.key(prompt) if seq is not None else 0)
+            use.append(seq is not None)
+        return {"oracle_seq": torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+                "oracle_key": torch.tensor(keys, dtype=torch.int64), "oracle_use": torch.tensor(use)}
+
+    def device_drafts(self, bufs: dict, n: int, start: torch.Tensor, last: torch.Tensor,
+                      drafts: torch.Tensor) -> torch.Tensor:
+        """Inside a step graph: the drafts ``[n, G]`` of rows whose blocks
+        open with ``last`` at ``start``; rows the oracle does not draft (or
+        whose token at ``start`` left the recording) keep ``drafts``."""
+        G, dev = drafts.shape[1], drafts.device
+        seq = bufs["oracle_seq"][:n]
+        L = seq.shape[1]
+        use = bufs["oracle_use"][:n] & (seq.gather(1, start.clamp(max=L - 1)[:, None])[:, 0] == last)
+        cols = torch.arange(G, device=dev)[None, :]
+        rec = seq.gather(1, (start[:, None] + 1 + cols).clamp(max=L - 1))
+        k = self.profile.accept_counts(bufs["oracle_key"][:n], start, G, self._survival.get((str(dev), G)))
+        mine = torch.where(cols < k[:, None], rec, (rec + 1) % self.vocab_size)
+        return torch.where(use[:, None], mine, drafts)
 
 
 class OracleProposer:
@@ -253,9 +316,8 @@ def oracle_unsupported(engine) -> str | None:
         return "prompt lookups replace drafts: build the engine with prompt_lookup_min=0"
     if engine.policy is not None:
         return "adaptive speculation skips drafts: build the engine with adaptive_speculation=False"
-    if engine._async_unsupported() is None:
-        return ("asynchronous step graphs draft on the device, past propose(): build the engine with "
-                "async_scheduling=False")
+    if engine._step_graphs:
+        return "must be installed before the engine's first step graphs are built"
     return None
 
 
@@ -271,4 +333,7 @@ def install_oracle(engine, oracle: Oracle) -> None:
     # that asks.
     drafter.propose = OracleProposer(drafter.propose, oracle)
     drafter.wants_requests = True
+    # Asynchronous steps: the step graphs built from now on draft on the
+    # device from each row's recorded sequence (step_parts.propose).
+    drafter.oracle = oracle
     engine.oracle = oracle

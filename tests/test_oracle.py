@@ -41,12 +41,11 @@ def recorded(models):
     return ps, params, run_engine_to_end(engine(models, drafter=False), ps, params)
 
 
-def oracle_run(models, recorded, profile, **kw):
-    ps, params, ar = recorded
+def oracle_run(models, recorded, profile, limit=None, **kw):
+    ps, params, ar = (x[:limit] for x in recorded)
     eng = engine(models, drafter=True, **kw)
     oracle = Oracle(profile, eng.target_spec.vocab_size)
     oracle.record_outputs(ar)
-    oracle.trace = []
     install_oracle(eng, oracle)
     outs = run_engine_to_end(eng, ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ar]  # lossless, whatever the drafts
@@ -55,12 +54,14 @@ def oracle_run(models, recorded, profile, **kw):
     # only where max_tokens cuts the block): verification accepts the
     # recorded tokens and rejects the first wrong one.
     for o in outs:
-        draws = [k for rid, _, k in oracle.trace if rid == o.request_id]
-        emitted, got = 1, []
-        for k in draws:
-            got.append(min(k + 1, MAX_TOKENS - emitted))
-            emitted += got[-1]
-        assert got == o.metrics.acceptance_lengths
+        key = torch.tensor([oracle.key(o.prompt_token_ids)])
+        pos, emitted, want = len(o.prompt_token_ids), 1, []  # the first block's anchor: the prefill's token
+        while emitted < MAX_TOKENS:
+            k = int(oracle.profile.accept_counts(key, torch.tensor([pos]), B - 1)[0])
+            want.append(min(k + 1, MAX_TOKENS - emitted))
+            emitted += want[-1]
+            pos += want[-1]
+        assert o.metrics.acceptance_lengths == want
     return outs, oracle
 
 
@@ -76,20 +77,24 @@ def full_block_steps(outs):
     return out
 
 
-def test_profile_one_accepts_every_block(models, recorded):
-    outs, oracle = oracle_run(models, recorded, "const:1.0")
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_profile_one_accepts_every_block(models, recorded, async_):
+    outs, oracle = oracle_run(models, recorded, "const:1.0", async_=async_)
     steps = full_block_steps(outs)
     assert steps and all(a == B for a in steps)
 
 
-def test_profile_zero_accepts_nothing(models, recorded):
-    outs, _ = oracle_run(models, recorded, "const:0")
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_profile_zero_accepts_nothing(models, recorded, async_):
+    outs, _ = oracle_run(models, recorded, "const:0", limit=1, async_=async_)  # a step a token: one prompt
     assert all(a == 1 for o in outs for a in o.metrics.acceptance_lengths)
 
 
-@pytest.mark.parametrize("profile", ["const:0.7", "paper-qwen3-8b-gsm8k"])
-def test_mean_acceptance_matches_profile(models, recorded, profile):
-    outs, oracle = oracle_run(models, recorded, profile)
+@pytest.mark.parametrize("profile,async_", [("const:0.7", False), ("paper-qwen3-8b-gsm8k", True)])
+def test_mean_acceptance_matches_profile(models, recorded, profile, async_):
+    outs, oracle = oracle_run(models, recorded, profile, async_=async_)
+    if async_:  # chains of asynchronous steps drafted on the device
+        assert oracle.stats.steps < sum(len(o.metrics.acceptance_lengths) for o in outs)
     steps = full_block_steps(outs)
     want = get_profile(profile).expected_length(B - 1)
     assert len(steps) >= 25
@@ -100,9 +105,9 @@ def test_mean_acceptance_matches_profile(models, recorded, profile):
     assert abs(mean - want) < 3 * 2.6 / len(steps) ** 0.5, (mean, want)
 
 
-def test_draws_are_reproducible(models, recorded):
-    a, _ = oracle_run(models, recorded, "const:0.6")
-    b, _ = oracle_run(models, recorded, "const:0.6")
+def test_sync_and_async_steps_draw_the_same(models, recorded):
+    a, _ = oracle_run(models, recorded, "const:0.6", limit=3)
+    b, _ = oracle_run(models, recorded, "const:0.6", limit=3, async_=True)
     assert [o.metrics.acceptance_lengths for o in a] == [o.metrics.acceptance_lengths for o in b]
 
 
