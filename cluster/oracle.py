@@ -244,9 +244,16 @@ class Oracle:
     # hash key and whether the oracle drafts the row; every step of the
     # chain drafts on the device from the row's block start (step_parts.py),
     # with the same draws as a synchronous step at that position.
+    @staticmethod
+    def _device_key(device) -> str:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return str(device)
+
     def prepare(self, device, num_drafts: int) -> None:
         """Make the profile's tensor on ``device`` before a graph is captured."""
-        key = (str(device), num_drafts)
+        key = (self._device_key(device), num_drafts)
         if key not in self._survival:
             self._survival[key] = torch.tensor(self.profile.survival_for(num_drafts), dtype=torch.float64,
                                                device=device)
@@ -277,7 +284,9 @@ class Oracle:
         use = bufs["oracle_use"][:n] & (seq.gather(1, start.clamp(max=L - 1)[:, None])[:, 0] == last)
         cols = torch.arange(G, device=dev)[None, :]
         rec = seq.gather(1, (start[:, None] + 1 + cols).clamp(max=L - 1))
-        k = self.profile.accept_counts(bufs["oracle_key"][:n], start, G, self._survival.get((str(dev), G)))
+        # Made by prepare() before the graph (a copy inside a capture would fail).
+        survival = self._survival[(self._device_key(dev), G)]
+        k = self.profile.accept_counts(bufs["oracle_key"][:n], start, G, survival)
         mine = torch.where(cols < k[:, None], rec, (rec + 1) % self.vocab_size)
         return torch.where(use[:, None], mine, drafts)
 
