@@ -9,8 +9,9 @@ matplotlib is installed.
     python bench/concurrency_sweep.py --model qwen3-8b-oracle --oracle-acceptance paper-qwen3-8b-gsm8k \\
         --device cuda --concurrency 1 2 4 8 16 32 64 --out results/h200_concurrency_sweep.json
 
-Both runs write the same file: a run replaces the points of its own model
-and profile and keeps the others (``--fresh``: start the file anew).
+Both runs write the same file: a point replaces the file's point of the
+same model, profile, concurrency and temperature and keeps the others, so
+a sweep may also run in pieces (``--fresh``: start the file anew).
 
 ``*-oracle`` models are ORACLE ACCEPTANCE runs (specray/oracle.py): the
 target decodes every prompt alone first (the AR measurement, which records
@@ -111,9 +112,8 @@ def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point
         on_point(c, outs, secs)
 
 
-def free(llm) -> None:
-    llm.shutdown()
-    del llm
+def release() -> None:
+    """After the last reference to an engine is dropped: its memory back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -135,6 +135,9 @@ def sweep(args) -> dict:
                                                             no_drafter=False))
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=max(args.concurrency))
+    # Left out: the engine's defaults (on a GPU: CUDA graphs, asynchronous steps).
+    common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling))
+               if v is not None}
     run = {"model": args.model, "oracle_acceptance": label, "target": target, "drafter": drafter,
            "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds,
            "concurrency": args.concurrency, "temperatures": args.temperatures,
@@ -161,7 +164,9 @@ def sweep(args) -> dict:
                 oracle.record_outputs(outs)
             print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
         run_engine(ar, prompts, args, temp, ar_point)
-    free(ar)
+    ar.shutdown()
+    del ar  # the speculative engine gets the device's memory
+    release()
 
     # Pass 2: speculative.
     spec = LLM(target, drafter, **common, **(ORACLE_ENGINE_SETTINGS if oracle else {}))
@@ -196,20 +201,30 @@ def sweep(args) -> dict:
                   + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else ""), flush=True)
             write(args, run, points)
         run_engine(spec, prompts, args, temp, spec_point)
-    free(spec)
+    spec.shutdown()
+    del spec
+    release()
     return write(args, run, points)
 
 
+def _point_id(p: dict) -> tuple:
+    return p.get("model"), p.get("oracle_acceptance"), p.get("concurrency"), p.get("temperature")
+
+
 def write(args, run: dict, points: list[dict]) -> dict:
-    """Merge into ``--out``: this run's model and profile replace their
-    earlier points and run entry; other models' stay."""
+    """Merge into ``--out``: this run's points replace earlier points of the
+    same model, profile, concurrency and temperature (a sweep may be run in
+    pieces); every other point stays. The run entry (settings) of this
+    model and profile is this run's."""
     path = Path(args.out)
     report = {"points": [], "runs": {}}
     if path.is_file() and not args.fresh:
         report = json.loads(path.read_text())
-    mine = (run["model"], run["oracle_acceptance"])
-    report["points"] = [p for p in report.get("points", []) if (p.get("model"), p.get("oracle_acceptance")) != mine]
+    mine = {_point_id(p) for p in points}
+    report["points"] = [p for p in report.get("points", []) if _point_id(p) not in mine]
     report["points"] += points
+    report["points"].sort(key=lambda p: (str(p.get("model")), str(p.get("oracle_acceptance")),
+                                         p.get("temperature") or 0, p.get("concurrency") or 0))
     key = run["model"] + (f"@{run['oracle_acceptance']}" if run["oracle_acceptance"] else "")
     report.setdefault("runs", {})[key] = run
     report["description"] = ("spec vs AR tok/s, closed-loop concurrency, in process (bench/concurrency_sweep.py). "
@@ -274,6 +289,10 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=64, help="*-oracle: random prompt length")
     p.add_argument("--prompts", default="data/prompts/eval.jsonl", help="embedded: the prompt set")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="both engines (default: the engine's, on with a GPU; off CUDA: the same padded path)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="both engines (default: the engine's, on with CUDA graphs on a GPU)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--fresh", action="store_true", help="overwrite --out instead of merging into it")
     p.add_argument("--out", default="results/concurrency_sweep.json")

@@ -26,7 +26,8 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
     report = mod.main(["--model", "tiny-oracle", "--oracle-acceptance", "const:1.0", "--device", "cpu",
                        "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "1", "2", "--max-tokens", "12",
                        "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "64", "--no-warmup",
-                       "--out", str(out)])
+                       # the padded path and asynchronous step graphs, as on a GPU, through LLM's fault guard
+                       "--cuda-graphs", "--async-scheduling", "--out", str(out)])
     assert json.loads(out.read_text()) == report
     mine = [p for p in report["points"] if p["model"] == "tiny-oracle"]
     assert other in report["points"] and set(report["runs"]) == {"embedded", "tiny-oracle@const:1.0"}
@@ -41,13 +42,15 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert stdout.count("ORACLE ACCEPTANCE const:1.0") >= 4  # every line of the run says so
 
-    # The same model and profile again replaces its points (and run entry).
+    assert report["runs"]["tiny-oracle@const:1.0"]["spec_features"]["async_scheduling"]["on"]
+
+    # A point of the same model, profile, concurrency and temperature replaces its own; the others stay.
     import argparse
 
-    again = {"model": "tiny-oracle", "oracle_acceptance": "const:1.0", "concurrency": 4}
+    again = dict(mine[1], spec_tok_s=123.0)
     report = mod.write(argparse.Namespace(out=str(out), fresh=False), dict(report["runs"]["tiny-oracle@const:1.0"]),
                        [again])
-    assert report["points"] == [other, again]
+    assert report["points"] == [other, mine[0], again]
     assert mod.write(argparse.Namespace(out=str(out), fresh=True), {"model": "embedded", "oracle_acceptance": None},
                      [])["points"] == []
 
