@@ -2,6 +2,8 @@
 continuation cut by a profile; the output stays the target's greedy output
 and the measured acceptance is the profile's."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,14 +43,17 @@ def recorded(models):
     return ps, params, run_engine_to_end(engine(models, drafter=False), ps, params)
 
 
-def oracle_run(models, recorded, profile, limit=None, **kw):
+def oracle_run(models, recorded, profile, limit=None, max_tokens=MAX_TOKENS, **kw):
+    """The prompts' oracle run (the first ``limit``; ``max_tokens``: of the
+    recorded ``MAX_TOKENS``)."""
     ps, params, ar = (x[:limit] for x in recorded)
+    params = [dataclasses.replace(p, max_tokens=max_tokens) for p in params]
     eng = engine(models, drafter=True, **kw)
     oracle = Oracle(profile, eng.target_spec.vocab_size)
     oracle.record_outputs(ar)
     install_oracle(eng, oracle)
     outs = run_engine_to_end(eng, ps, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]  # lossless, whatever the drafts
+    assert [o.token_ids for o in outs] == [o.token_ids[:max_tokens] for o in ar]  # lossless, whatever the drafts
     assert oracle.stats.diverged == set() and oracle.stats.unrecorded == 0
     # Every step emits exactly its draw's k correct drafts + the bonus (fewer
     # only where max_tokens cuts the block): verification accepts the
@@ -56,9 +61,9 @@ def oracle_run(models, recorded, profile, limit=None, **kw):
     for o in outs:
         key = torch.tensor([oracle.key(o.prompt_token_ids)])
         pos, emitted, want = len(o.prompt_token_ids), 1, []  # the first block's anchor: the prefill's token
-        while emitted < MAX_TOKENS:
+        while emitted < max_tokens:
             k = int(oracle.profile.accept_counts(key, torch.tensor([pos]), B - 1)[0])
-            want.append(min(k + 1, MAX_TOKENS - emitted))
+            want.append(min(k + 1, max_tokens - emitted))
             emitted += want[-1]
             pos += want[-1]
         assert o.metrics.acceptance_lengths == want
@@ -86,7 +91,7 @@ def test_profile_one_accepts_every_block(models, recorded, async_):
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_profile_zero_accepts_nothing(models, recorded, async_):
-    outs, _ = oracle_run(models, recorded, "const:0", limit=1, async_=async_)  # a step a token: one prompt
+    outs, _ = oracle_run(models, recorded, "const:0", limit=2, max_tokens=12, async_=async_)
     assert all(a == 1 for o in outs for a in o.metrics.acceptance_lengths)
 
 
@@ -106,8 +111,8 @@ def test_mean_acceptance_matches_profile(models, recorded, profile, async_):
 
 
 def test_sync_and_async_steps_draw_the_same(models, recorded):
-    a, _ = oracle_run(models, recorded, "const:0.6", limit=3)
-    b, _ = oracle_run(models, recorded, "const:0.6", limit=3, async_=True)
+    a, _ = oracle_run(models, recorded, "const:0.6", limit=3, max_tokens=24)
+    b, _ = oracle_run(models, recorded, "const:0.6", limit=3, max_tokens=24, async_=True)
     assert [o.metrics.acceptance_lengths for o in a] == [o.metrics.acceptance_lengths for o in b]
 
 
