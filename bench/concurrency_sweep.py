@@ -48,10 +48,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from scaling_sweep import SHAPES, random_checkpoints  # noqa: E402  (random checkpoints of real shapes)
+from scaling_sweep import SHAPES, random_checkpoints  # random checkpoints of real shapes
 
-from specray import LLM, SamplingParams  # noqa: E402
-from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle  # noqa: E402
+from specray import LLM, SamplingParams
+from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle
 
 MODELS = ["embedded"] + [f"{shape}-oracle" for shape in sorted(SHAPES)]
 

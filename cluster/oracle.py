@@ -150,8 +150,9 @@ class OracleStats:
     sampled: int = 0  # rows at T > 0 (the drafter's own drafts)
 
     def as_dict(self) -> dict:
-        return {"sync_rows": self.steps, "sync_correct_drafts": self.correct_drafts, "diverged_requests": len(self.diverged),
-                "unrecorded_rows": self.unrecorded, "sampled_rows": self.sampled}
+        return {"sync_rows": self.steps, "sync_correct_drafts": self.correct_drafts,
+                "diverged_requests": len(self.diverged), "unrecorded_rows": self.unrecorded,
+                "sampled_rows": self.sampled}
 
 
 class Oracle:

@@ -84,7 +84,7 @@ def full_block_steps(outs):
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_profile_one_accepts_every_block(models, recorded, async_):
-    outs, oracle = oracle_run(models, recorded, "const:1.0", async_=async_)
+    outs, _ = oracle_run(models, recorded, "const:1.0", async_=async_)
     steps = full_block_steps(outs)
     assert steps and all(a == B for a in steps)
 
