@@ -31,7 +31,7 @@ stepping the in-process engine (``EngineCore.step``) in this thread:
 continuous batching as the engine does it, with no serving layer (HTTP
 costs are ``specray bench serve``'s). tokens/s = output tokens / wall time
 from the first admission to the last finish. Every concurrency is run once
-untimed first (``--max-tokens 16``): graphs are captured and kernels
+untimed first (16 tokens a request): graphs are captured and kernels
 compiled outside the timed points (``--no-warmup`` skips it).
 """
 
@@ -102,8 +102,8 @@ def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point
     eng = llm.engine
     if args.warmup:
         warm = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, seed=0)
-        for c in args.concurrency:
-            closed_loop(eng, prompts[c][:c], warm, c)
+        for c in args.concurrency:  # the timed point's batch sizes, short
+            closed_loop(eng, prompts[c], warm, c)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
     for c in args.concurrency:
         if getattr(eng, "oracle", None) is not None:
@@ -248,7 +248,8 @@ def plot(report: dict, path: str) -> bool:
     series: dict[tuple, list] = {}
     for p in report["points"]:
         series.setdefault((p["model"], p.get("oracle_acceptance"), p["temperature"]), []).append(p)
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    xs_all = sorted({p["concurrency"] for p in report["points"]})
     for (model, oracle, temp), pts in sorted(series.items(), key=str):
         pts.sort(key=lambda p: p["concurrency"])
         name = f"{model}" + (f" [oracle {oracle}]" if oracle else "") + f" T={temp:g}"
@@ -256,15 +257,21 @@ def plot(report: dict, path: str) -> bool:
         line, = ax.plot(xs, [p["spec_tok_s"] for p in pts], marker="o", label=f"{name} spec")
         ax.plot(xs, [p["ar_tok_s"] for p in pts], marker="x", linestyle="--", color=line.get_color(),
                 label=f"{name} AR")
-    ax.set_xscale("log", base=2)
+        rx.plot(xs, [p["spec_tok_s"] / p["ar_tok_s"] for p in pts], marker="o", color=line.get_color(), label=name)
+    for a in (ax, rx):
+        a.set_xscale("log", base=2)
+        a.set_xticks(xs_all, [str(x) for x in xs_all])
+        a.set_xlabel("requests in flight (closed loop)")
+        a.grid(alpha=0.3)
     ax.set_yscale("log")
-    ax.set_xlabel("requests in flight (closed loop)")
     ax.set_ylabel("output tokens/s")
+    rx.axhline(1.0, color="grey", linewidth=0.8)
+    rx.set_ylabel("spec / AR")
     oracles = sorted({str(p.get("oracle_acceptance")) for p in report["points"] if p.get("oracle_acceptance")})
-    ax.set_title("spec vs AR" + (f"; oracle_acceptance: {', '.join(oracles)} (not a drafter's quality)"
-                                  if oracles else ""), fontsize=9)
+    fig.suptitle("speculative vs autoregressive, in process"
+                 + (f" | oracle_acceptance: {', '.join(oracles)} (oracle points: system throughput at that "
+                    "acceptance, not a drafter's quality)" if oracles else ""), fontsize=9)
     ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -278,7 +285,8 @@ def main(argv=None) -> dict:
                         "embedded-eval) or const:P")
     p.add_argument("--target", help="embedded: another target directory")
     p.add_argument("--drafter", help="embedded: another drafter directory")
-    p.add_argument("--ckpt-dir", default="runs/random-checkpoints", help="*-oracle: where random checkpoints go")
+    p.add_argument("--ckpt-dir", default="/tmp/specray-random-checkpoints",
+                   help="*-oracle: where random checkpoints are written once and reused (8B: ~17 GB, 32B: ~66 GB)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
