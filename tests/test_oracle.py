@@ -55,9 +55,14 @@ def oracle_run(models, recorded, profile, limit=None, max_tokens=MAX_TOKENS, **k
     outs = run_engine_to_end(eng, ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids[:max_tokens] for o in ar]  # lossless, whatever the drafts
     assert oracle.stats.diverged == set() and oracle.stats.unrecorded == 0
-    # Every step emits exactly its draw's k correct drafts + the bonus (fewer
-    # only where max_tokens cuts the block): verification accepts the
-    # recorded tokens and rejects the first wrong one.
+    assert_steps_follow_draws(outs, oracle, max_tokens)
+    return outs, oracle
+
+
+def assert_steps_follow_draws(outs, oracle, max_tokens):
+    """Every step emits exactly its draw's k correct drafts + the bonus
+    (fewer only where max_tokens cuts the block): verification accepts the
+    recorded tokens and rejects the first wrong one."""
     for o in outs:
         key = torch.tensor([oracle.key(o.prompt_token_ids)])
         pos, emitted, want = len(o.prompt_token_ids), 1, []  # the first block's anchor: the prefill's token
@@ -67,7 +72,6 @@ def oracle_run(models, recorded, profile, limit=None, max_tokens=MAX_TOKENS, **k
             emitted += want[-1]
             pos += want[-1]
         assert o.metrics.acceptance_lengths == want
-    return outs, oracle
 
 
 def full_block_steps(outs):
@@ -144,3 +148,21 @@ def test_refuses_settings_that_bypass_drafts(models):
                                     draft_tree=False))
     with pytest.raises(ConfigError, match="prompt_lookup_min=0"):
         install_oracle(eng, Oracle("const:1.0", 320))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_oracle_on_cuda_graphs(models, async_):
+    """On the GPU: the drafter's propose graphs (sync) or the whole-step
+    graphs with the oracle's drafting captured inside (async)."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * len(ps)
+    ar = run_engine_to_end(engine(models, drafter=False, async_=True, device="cuda"), ps, params)
+    eng = engine(models, drafter=True, async_=async_, device="cuda")
+    oracle = Oracle("const:0.8", eng.target_spec.vocab_size)
+    oracle.record_outputs(ar)
+    install_oracle(eng, oracle)
+    outs = run_engine_to_end(eng, ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    assert oracle.stats.diverged == set()
+    assert_steps_follow_draws(outs, oracle, MAX_TOKENS)
