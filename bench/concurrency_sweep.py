@@ -136,8 +136,8 @@ def sweep(args) -> dict:
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=max(args.concurrency))
     # Left out: the engine's defaults (on a GPU: CUDA graphs, asynchronous steps).
-    common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling))
-               if v is not None}
+    common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling),
+                                 ("gpu_memory_utilization", args.gpu_memory_utilization)) if v is not None}
     run = {"model": args.model, "oracle_acceptance": label, "target": target, "drafter": drafter,
            "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds,
            "concurrency": args.concurrency, "temperatures": args.temperatures,
@@ -167,6 +167,8 @@ def sweep(args) -> dict:
     ar.shutdown()
     del ar  # the speculative engine gets the device's memory
     release()
+    if torch.cuda.is_available():  # what the AR engine left allocated (should be ~0)
+        run["cuda_allocated_after_ar_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
 
     # Pass 2: speculative.
     spec = LLM(target, drafter, **common, **(ORACLE_ENGINE_SETTINGS if oracle else {}))
@@ -301,6 +303,8 @@ def main(argv=None) -> dict:
                    help="both engines (default: the engine's, on with a GPU; off CUDA: the same padded path)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="both engines (default: the engine's, on with CUDA graphs on a GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="both engines (they run one after the other; default: the engine's)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--fresh", action="store_true", help="overwrite --out instead of merging into it")
     p.add_argument("--out", default="results/concurrency_sweep.json")
