@@ -94,8 +94,11 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         assert remote is None, "autoregressive steps of a separate drafter are not built"
         cfg = dataclasses.replace(cfg, block_size=1)
     B = cfg.block_size
+    oracle = getattr(drafter, "oracle", None) if local and speculate else None  # oracle.py
+    if oracle is not None:
+        oracle.prepare(dev, B - 1)
     bufs = state_buffers(cfg, dev, sampling, draft_tables=local, history=local and cfg.lookup is not None,
-                         shared=shared)
+                         shared=shared, oracle=oracle is not None)
     query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)
     taps = target.tap_layer_ids if speculative else ()
     use_tree = tree is not None and speculative and speculate and sampling == "greedy"
@@ -110,7 +113,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         blk = block_inputs(start, last, budget, tables, d_tables, B, cfg.kv_block_size, cfg.mask_token_id)
         st = sampling_tensors(bufs, sampling, n, start, B)
         if local and speculate:
-            drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None)
+            drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None, oracle)
         elif remote is not None:
             got = drafted_buffers(n, B, use_tree, sampling != "greedy", cfg.draft_top_k, dev)
             remote.recv_raw(got)

@@ -47,7 +47,7 @@ class StepSettings:
 
 
 def state_buffers(cfg: StepSettings, dev, sampling: str, draft_tables: bool, history: bool,
-                  shared: dict | None) -> dict[str, torch.Tensor]:
+                  shared: dict | None, oracle: bool = False) -> dict[str, torch.Tensor]:
     """A chain's state on the device: each row's block start, last token,
     emit budget, whether it is real, its block tables; the sampling
     settings of sampled batches; with lookups, the token history."""
@@ -64,6 +64,10 @@ def state_buffers(cfg: StepSettings, dev, sampling: str, draft_tables: bool, his
     if history:
         bufs["slot"] = torch.zeros(S, dtype=torch.int64, device=dev)
         bufs["history"] = torch.zeros(S + 1, W * cfg.kv_block_size, dtype=torch.int64, device=dev)
+    if oracle:  # oracle acceptance (oracle.py): each row's recorded sequence, hash key, whether it is drafted
+        bufs["oracle_seq"] = torch.zeros(S, W * cfg.kv_block_size, dtype=torch.int64, device=dev)
+        bufs["oracle_key"] = torch.zeros(S, dtype=torch.int64, device=dev)
+        bufs["oracle_use"] = torch.zeros(S, dtype=torch.bool, device=dev)
     if sampling != "greedy":
         bufs["temperature"] = torch.zeros(S, dtype=torch.float32, device=dev)
         bufs["top_p"] = torch.ones(S, dtype=torch.float32, device=dev)
@@ -113,8 +117,10 @@ class Drafted:
 
 
 def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n: int, sampling: str,
-            tree: TreeUniverse | None) -> Drafted:
-    """The drafter's proposal for the blocks ``blk`` (``kernels.ops.block_inputs``)."""
+            tree: TreeUniverse | None, oracle=None) -> Drafted:
+    """The drafter's proposal for the blocks ``blk`` (``kernels.ops.block_inputs``).
+    ``oracle`` (oracle acceptance, oracle.py; with its buffers in ``bufs``):
+    the drafter runs, the oracle's drafts replace its chain."""
     from specray.actors.drafter import draft_tree_of
 
     start, last = bufs["start"][:n], bufs["last"][:n]
@@ -134,6 +140,8 @@ def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n:
             looked_up = torch.zeros(n, dtype=torch.bool, device=start.device)
         return Drafted(torch.cat([last[:, None], drafts], 1), looked_up, shape)
     drafts, idx, q = sample_draft_tokens(draft_logits, st, cfg.draft_top_k)
+    if oracle is not None:
+        drafts = oracle.device_drafts(bufs, n, start, last, drafts)
     if lookup:
         greedy_rows = None if sampling == "greedy" else st.temperature == 0
         input_ids, _, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, greedy_rows, drafts,

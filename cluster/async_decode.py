@@ -217,6 +217,8 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
             st = SamplingTensors.build(params, [r.seed for r in requests], starts, 0, vocab_size=vocab)
             inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
                        "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
+        if "oracle_seq" in graphs.buffers:  # oracle acceptance (oracle.py)
+            inputs |= core.oracle.chain_inputs(requests, starts)
         if "history" in graphs.buffers or (core.drafter is not None and core.config.prompt_lookup_min):
             inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
     # Tables change only when a row crosses into a new block: upload them then.

@@ -83,6 +83,9 @@ class DraftBatch:
     tree: bool = False  # draft a tree per row (draft_tree.py): greedy rows only
     tree_lookup: torch.Tensor | None = None  # [S, L] int64: prompt-lookup drafts a tree takes as a branch
     tree_has_lookup: torch.Tensor | None = None  # [S] bool: rows that have one
+    # The rows' Request objects, for a drafter in this process that asks
+    # (``wants_requests``: oracle mode, oracle.py); never packed or sent.
+    requests: list | None = None
 
 
 @dataclass

@@ -90,6 +90,7 @@ class StepBatches:
             tree=tree_lookup is not None,
             tree_lookup=lookup,
             tree_has_lookup=has,
+            requests=[d.request for d in decode] if getattr(self.drafter, "wants_requests", False) else None,
         )
 
     def _target_batch(self, decode: list[DecodeItem], prefill: list[PrefillItem]):

@@ -29,6 +29,9 @@ SHAPES = {
     # name: target config fields, drafter layers
     "qwen3-8b": (dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128), 5),
+    # Qwen3-32B's shape; its drafter's depth (5) is the 8B one's, assumed.
+    "qwen3-32b": (dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128), 5),
     "qwen3-0.6b": (dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                         num_attention_heads=16, num_key_value_heads=8, head_dim=128), 2),
     "tiny": (dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

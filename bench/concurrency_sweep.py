@@ -1,0 +1,321 @@
+"""Speculative vs autoregressive tokens/s over a closed-loop concurrency
+sweep, in process, one JSON (``points``) and a PNG beside it when
+matplotlib is installed.
+
+    # the trained embedded pair, the engine's defaults (the path users run)
+    python bench/concurrency_sweep.py --model embedded --device cuda \\
+        --concurrency 1 2 4 8 16 32 64 --out results/h200_concurrency_sweep.json
+    # a random-weight Qwen3-8B-shape target + drafter, ORACLE acceptance
+    python bench/concurrency_sweep.py --model qwen3-8b-oracle --oracle-acceptance paper-qwen3-8b-gsm8k \\
+        --device cuda --concurrency 1 2 4 8 16 32 64 --out results/h200_concurrency_sweep.json
+
+Both runs write the same file: a point replaces the file's point of the
+same model, profile, concurrency and temperature and keeps the others, so
+a sweep may also run in pieces (``--fresh``: start the file anew).
+
+``*-oracle`` models are ORACLE ACCEPTANCE runs (specray/oracle.py): the
+target decodes every prompt alone first (the AR measurement, which records
+its greedy continuations), then the speculative engine runs the drafter's
+real forward but verifies the recorded continuation cut by the profile.
+Their speculative tokens/s is the system's throughput at that acceptance,
+never a measure of a drafter; every point, the run's settings, stdout and
+the plot title carry ``oracle_acceptance``. Greedy only. The oracle engine
+drafts chains (no draft trees, no prompt lookups, no adaptive
+autoregressive steps); the AR engine runs the engine's defaults; both use
+asynchronous step graphs on a GPU.
+
+Concurrency is closed-loop: ``c`` requests in flight, a new one admitted
+as soon as one finishes, ``--rounds * c`` requests a point (at least
+``--min-requests``), all with ``max_tokens`` and ``ignore_eos``, driven by
+stepping the in-process engine (``EngineCore.step``) in this thread:
+continuous batching as the engine does it, with no serving layer (HTTP
+costs are ``specray bench serve``'s). tokens/s = output tokens / wall time
+from the first admission to the last finish. Every concurrency is run once
+untimed first (16 tokens a request): graphs are captured and kernels
+compiled outside the timed points (``--no-warmup`` skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from scaling_sweep import SHAPES, random_checkpoints  # random checkpoints of real shapes
+
+from specray import LLM, SamplingParams
+from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle
+
+MODELS = ["embedded"] + [f"{shape}-oracle" for shape in sorted(SHAPES)]
+
+
+def closed_loop(engine, prompts: list, params: SamplingParams, concurrency: int) -> tuple[list, float]:
+    """``concurrency`` requests in flight until every prompt ran; the final
+    outputs (prompt order) and the wall seconds."""
+    tag, outs, live, i = uuid.uuid4().hex[:8], {}, 0, 0
+    t = time.perf_counter()
+    while i < len(prompts) or engine.has_unfinished():
+        while i < len(prompts) and live < concurrency:
+            engine.add_request(prompts[i], params, request_id=f"{tag}-{i}")
+            i, live = i + 1, live + 1
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+                live -= 1
+    secs = time.perf_counter() - t
+    return [outs[f"{tag}-{j}"] for j in range(len(prompts))], secs
+
+
+def workload(args, tokenizer, vocab: int) -> dict[int, list]:
+    """The prompts of each concurrency: random token ids for a
+    random-weight target (seeded by the concurrency), the eval set's chat
+    prompts (cycled) for the embedded pair."""
+    out = {}
+    for c in args.concurrency:
+        n = max(args.rounds * c, args.min_requests)
+        if args.model == "embedded":
+            from specray.bench import load_prompts
+
+            rows = [p for _, p in load_prompts(args.prompts, tokenizer)]
+            out[c] = [rows[(c + j) % len(rows)] for j in range(n)]
+        else:
+            g = torch.Generator().manual_seed(1000 + c)
+            out[c] = [torch.randint(1, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+    return out
+
+
+def summarize(outs: list, secs: float) -> dict:
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = [a for o in outs for a in o.metrics.acceptance_lengths]
+    return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs,
+            "mean_acceptance_length": sum(steps) / len(steps) if steps else None}
+
+
+def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point) -> None:
+    eng = llm.engine
+    if args.warmup:
+        warm = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, seed=0)
+        for c in args.concurrency:  # the timed point's batch sizes, short
+            closed_loop(eng, prompts[c], warm, c)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
+    for c in args.concurrency:
+        if getattr(eng, "oracle", None) is not None:
+            eng.oracle.stats = OracleStats()
+        outs, secs = closed_loop(eng, prompts[c], params, c)
+        on_point(c, outs, secs)
+
+
+def release() -> None:
+    """After the last reference to an engine is dropped: its memory back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sweep(args) -> dict:
+    oracle_mode = args.model != "embedded"
+    profile = get_profile(args.oracle_acceptance) if oracle_mode else None
+    label = profile.name if profile else None
+    if oracle_mode and any(t != 0 for t in args.temperatures):
+        raise SystemExit(f"--model {args.model}: oracle acceptance is greedy only (T=0); got --temperatures "
+                         f"{args.temperatures}")
+    if oracle_mode:
+        target, drafter = random_checkpoints(Path(args.ckpt_dir), args.model[: -len("-oracle")])
+    else:
+        from specray.cli import resolve_models
+
+        target, drafter = resolve_models(argparse.Namespace(target=args.target, drafter=args.drafter,
+                                                            no_drafter=False))
+    common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=max(args.concurrency))
+    # Left out: the engine's defaults (on a GPU: CUDA graphs, asynchronous steps).
+    common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling),
+                                 ("gpu_memory_utilization", args.gpu_memory_utilization)) if v is not None}
+    run = {"model": args.model, "oracle_acceptance": label, "target": target, "drafter": drafter,
+           "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "concurrency": args.concurrency, "temperatures": args.temperatures,
+           "loop": "closed-loop, in-process EngineCore.step", "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if profile:
+        run["oracle_profile_source"] = profile.source
+        run["oracle_profile_survival"] = list(profile.survival[:32])
+        run["oracle_engine_settings"] = ORACLE_ENGINE_SETTINGS
+    ar_points: dict[tuple, dict] = {}
+    points: list[dict] = []
+    tag = f"[{args.model}" + (f" ORACLE ACCEPTANCE {label}]" if label else "]")
+
+    # Pass 1: the target alone (the AR measurement; in oracle mode it also
+    # records the greedy continuations).
+    ar = LLM(target, None, **common)
+    vocab = ar.engine.target_spec.vocab_size
+    prompts = workload(args, ar.tokenizer, vocab)
+    oracle = Oracle(profile, vocab) if profile else None
+    run["ar_features"] = ar.engine.features()
+    for temp in args.temperatures:
+        def ar_point(c, outs, secs, temp=temp):
+            ar_points[(c, temp)] = {"summary": summarize(outs, secs), "outs": outs}
+            if oracle is not None:
+                oracle.record_outputs(outs)
+            print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
+        run_engine(ar, prompts, args, temp, ar_point)
+    ar.shutdown()
+    del ar  # the speculative engine gets the device's memory
+    release()
+    if torch.cuda.is_available():  # what the AR engine left allocated (should be ~0)
+        run["cuda_allocated_after_ar_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+
+    # Pass 2: speculative.
+    spec = LLM(target, drafter, **common, **(ORACLE_ENGINE_SETTINGS if oracle else {}))
+    if oracle is not None:
+        install_oracle(spec.engine, oracle)
+    block = spec.engine.block_size
+    run["block_size"] = block
+    run["spec_features"] = spec.engine.features()
+    expected = profile.expected_length(block - 1) if profile else None
+    for temp in args.temperatures:
+        def spec_point(c, outs, secs, temp=temp):
+            s, a = summarize(outs, secs), ar_points[(c, temp)]
+            point = {"model": args.model, "oracle_acceptance": label, "concurrency": c, "temperature": temp,
+                     "spec_tok_s": round(s["tok_s"], 2), "ar_tok_s": round(a["summary"]["tok_s"], 2),
+                     "speedup": round(s["tok_s"] / a["summary"]["tok_s"], 3),
+                     "mean_acceptance_length": round(s["mean_acceptance_length"], 3)
+                     if s["mean_acceptance_length"] else None,
+                     "requests": len(outs), "max_tokens": args.max_tokens, "spec_tokens": s["tokens"],
+                     "ar_tokens": a["summary"]["tokens"], "spec_s": round(s["seconds"], 4),
+                     "ar_s": round(a["summary"]["seconds"], 4)}
+            if temp == 0:
+                point["identical_outputs"] = sum(x.token_ids == y.token_ids for x, y in zip(outs, a["outs"]))
+            if oracle is not None:
+                # The profile's expectation with whole blocks; cut-short blocks
+                # near max_tokens measure a little lower.
+                point["expected_acceptance_length"] = round(expected, 3)
+                point["oracle"] = oracle.stats.as_dict()
+            points.append(point)
+            print(f"{tag} c={c} T={temp}: spec {point['spec_tok_s']:.1f} tok/s vs AR {point['ar_tok_s']:.1f} tok/s "
+                  f"= {point['speedup']:.2f}x | acceptance {point['mean_acceptance_length']}"
+                  + (f" (profile {expected:.2f})" if expected else "")
+                  + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else ""), flush=True)
+            write(args, run, points)
+        run_engine(spec, prompts, args, temp, spec_point)
+    spec.shutdown()
+    del spec
+    release()
+    return write(args, run, points)
+
+
+def _point_id(p: dict) -> tuple:
+    return p.get("model"), p.get("oracle_acceptance"), p.get("concurrency"), p.get("temperature")
+
+
+def write(args, run: dict, points: list[dict]) -> dict:
+    """Merge into ``--out``: this run's points replace earlier points of the
+    same model, profile, concurrency and temperature (a sweep may be run in
+    pieces); every other point stays. The run entry (settings) of this
+    model and profile is this run's."""
+    path = Path(args.out)
+    report = {"points": [], "runs": {}}
+    if path.is_file() and not args.fresh:
+        report = json.loads(path.read_text())
+    mine = {_point_id(p) for p in points}
+    report["points"] = [p for p in report.get("points", []) if _point_id(p) not in mine]
+    report["points"] += points
+    report["points"].sort(key=lambda p: (str(p.get("model")), str(p.get("oracle_acceptance")),
+                                         p.get("temperature") or 0, p.get("concurrency") or 0))
+    key = run["model"] + (f"@{run['oracle_acceptance']}" if run["oracle_acceptance"] else "")
+    report.setdefault("runs", {})[key] = run
+    report["description"] = ("spec vs AR tok/s, closed-loop concurrency, in process (bench/concurrency_sweep.py). "
+                              "Points with oracle_acceptance set are ORACLE ACCEPTANCE runs: a random-weight "
+                              "target verifying its own recorded greedy continuation cut by that profile "
+                              "(system throughput at that acceptance, not a drafter's quality).")
+    args.fresh = False  # the file is this run's now: later points merge
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def plot(report: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    series: dict[tuple, list] = {}
+    for p in report["points"]:
+        series.setdefault((p["model"], p.get("oracle_acceptance"), p["temperature"]), []).append(p)
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    xs_all = sorted({p["concurrency"] for p in report["points"]})
+    for (model, oracle, temp), pts in sorted(series.items(), key=str):
+        pts.sort(key=lambda p: p["concurrency"])
+        name = f"{model}" + (f" [oracle {oracle}]" if oracle else "") + f" T={temp:g}"
+        xs = [p["concurrency"] for p in pts]
+        line, = ax.plot(xs, [p["spec_tok_s"] for p in pts], marker="o", label=f"{name} spec")
+        ax.plot(xs, [p["ar_tok_s"] for p in pts], marker="x", linestyle="--", color=line.get_color(),
+                label=f"{name} AR")
+        rx.plot(xs, [p["spec_tok_s"] / p["ar_tok_s"] for p in pts], marker="o", color=line.get_color(), label=name)
+    for a in (ax, rx):
+        a.set_xscale("log", base=2)
+        a.set_xticks(xs_all, [str(x) for x in xs_all])
+        a.set_xlabel("requests in flight (closed loop)")
+        a.grid(alpha=0.3)
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s")
+    rx.axhline(1.0, color="grey", linewidth=0.8)
+    rx.set_ylabel("spec / AR")
+    oracles = sorted({str(p.get("oracle_acceptance")) for p in report["points"] if p.get("oracle_acceptance")})
+    fig.suptitle("speculative vs autoregressive, in process"
+                 + (f" | oracle_acceptance: {', '.join(oracles)} (oracle points: system throughput at that "
+                    "acceptance, not a drafter's quality)" if oracles else ""), fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--oracle-acceptance", default="paper-qwen3-8b-gsm8k",
+                   help="*-oracle models: a profile (specray.oracle.PROFILES: paper-qwen3-8b-gsm8k, "
+                        "embedded-eval) or const:P")
+    p.add_argument("--target", help="embedded: another target directory")
+    p.add_argument("--drafter", help="embedded: another drafter directory")
+    p.add_argument("--ckpt-dir", default="/tmp/specray-random-checkpoints",
+                   help="*-oracle: where random checkpoints are written once and reused (8B: ~17 GB, 32B: ~66 GB)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="requests a point = rounds x concurrency")
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64, help="*-oracle: random prompt length")
+    p.add_argument("--prompts", default="data/prompts/eval.jsonl", help="embedded: the prompt set")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="both engines (default: the engine's, on with a GPU; off CUDA: the same padded path)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="both engines (default: the engine's, on with CUDA graphs on a GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="both engines (they run one after the other; default: the engine's)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--fresh", action="store_true", help="overwrite --out instead of merging into it")
+    p.add_argument("--out", default="results/concurrency_sweep.json")
+    args = p.parse_args(argv)
+    if args.model != "embedded":
+        get_profile(args.oracle_acceptance)  # a bad name fails before any model loads
+    report = sweep(args)
+    png = str(Path(args.out).with_suffix(".png"))
+    print(f"wrote {args.out}" + (f" and {png}" if plot(report, png) else " (no matplotlib: no plot)"))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""bench/concurrency_sweep.py: the closed-loop spec vs AR sweep, here on a
+tiny random pair in oracle-acceptance mode (the H200 run takes the
+Qwen3-8B shape and the embedded pair into the same file)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+POINT_KEYS = {"model", "concurrency", "temperature", "spec_tok_s", "ar_tok_s", "mean_acceptance_length",
+              "oracle_acceptance"}
+
+
+def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
+    import concurrency_sweep as mod
+
+    out = tmp_path / "sweep.json"
+    # An earlier run's points of another model stay in the file.
+    other = {"model": "embedded", "oracle_acceptance": None, "concurrency": 1, "temperature": 0.0,
+             "spec_tok_s": 1.0, "ar_tok_s": 1.0, "mean_acceptance_length": 2.0}
+    out.write_text(json.dumps({"points": [other], "runs": {"embedded": {"model": "embedded"}}}))
+    report = mod.main(["--model", "tiny-oracle", "--oracle-acceptance", "const:1.0", "--device", "cpu",
+                       "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "1", "2", "--max-tokens", "12",
+                       "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "64", "--no-warmup",
+                       # the padded path and asynchronous step graphs, as on a GPU, through LLM's fault guard
+                       "--cuda-graphs", "--async-scheduling", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    mine = [p for p in report["points"] if p["model"] == "tiny-oracle"]
+    assert other in report["points"] and set(report["runs"]) == {"embedded", "tiny-oracle@const:1.0"}
+    assert [p["concurrency"] for p in mine] == [1, 2]
+    for p in mine:
+        assert POINT_KEYS <= set(p) and p["oracle_acceptance"] == "const:1.0"
+        assert p["spec_tok_s"] > 0 and p["ar_tok_s"] > 0
+        assert p["identical_outputs"] == p["requests"]  # lossless
+        assert p["oracle"]["diverged_requests"] == 0
+        # const:1.0: whole blocks (16 tokens) accepted; 12 tokens = the prefill's + one cut block of 11.
+        assert p["mean_acceptance_length"] == 11
+    stdout = capsys.readouterr().out
+    assert stdout.count("ORACLE ACCEPTANCE const:1.0") >= 4  # every line of the run says so
+
+    assert report["runs"]["tiny-oracle@const:1.0"]["spec_features"]["async_scheduling"]["on"]
+
+    # A point of the same model, profile, concurrency and temperature replaces its own; the others stay.
+    import argparse
+
+    again = dict(mine[1], spec_tok_s=123.0)
+    report = mod.write(argparse.Namespace(out=str(out), fresh=False), dict(report["runs"]["tiny-oracle@const:1.0"]),
+                       [again])
+    assert report["points"] == [other, mine[0], again]
+    assert mod.write(argparse.Namespace(out=str(out), fresh=True), {"model": "embedded", "oracle_acceptance": None},
+                     [])["points"] == []
+
+
+def test_oracle_sweep_refuses_sampling(tmp_path):
+    import concurrency_sweep as mod
+
+    with pytest.raises(SystemExit, match="greedy only"):
+        mod.main(["--model", "tiny-oracle", "--temperatures", "0", "1", "--ckpt-dir", str(tmp_path),
+                  "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
