@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specray.actors.drafter import DrafterWorker
 from specray.actors.messages import (
     CMD_CONTEXT,
     CMD_DRAFTS,
@@ -42,10 +41,10 @@ from specray.actors.messages import (
     pack_draft_output,
     unpack_draft_batch,
 )
-from specray.actors.target import kv_capacity, resolve_device
+from specray.actors.target import kv_capacity
 from specray.actors.transport import recv_message
-from specray.actors.workers import RemoteDrafter, cpu_threads, drafter_channel, node_id
-from specray.config import DrafterSpec, EngineConfig, TargetSpec
+from specray.actors.workers import RemoteDrafter, drafter_channel, load_drafter, node_id
+from specray.config import EngineConfig
 from specray.draft_tree import DraftTree
 from specray.plan import DraftBatch, DraftOutput
 from specray.sampling import SamplingTensors
@@ -205,14 +204,7 @@ class SharedDrafterActor:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.config, self.num_replicas = config, num_replicas
-        self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
-        cpu_threads(self.device)
-        self.target_spec = TargetSpec.from_dir(config.target)
-        self.spec = DrafterSpec.from_dir(config.drafter)
-        self.worker = DrafterWorker(
-            self.spec, self.target_spec, device=str(self.device), dtype=config.resolved_dtype,
-            max_model_len=max_model_len, draft_top_k=config.draft_top_k,
-        )
+        load_drafter(self, config, max_model_len)
         self.blocks_per_replica = 0
         self.channels: list = [None] * num_replicas
         self.last_propose = [float("-inf")] * num_replicas  # monotonic time of each replica's last proposal

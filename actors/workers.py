@@ -190,17 +190,23 @@ class RemoteDrafter:
         self.channel.control.send(CMD_STOP, [])
 
 
+def load_drafter(actor, config: EngineConfig, max_model_len: int) -> None:
+    """A drafter actor's device, specs and DrafterWorker (``actor.device``,
+    ``.target_spec``, ``.spec``, ``.worker``)."""
+    actor.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
+    cpu_threads(actor.device)
+    actor.target_spec = TargetSpec.from_dir(config.target)
+    actor.spec = DrafterSpec.from_dir(config.drafter)
+    actor.worker = DrafterWorker(
+        actor.spec, actor.target_spec, device=str(actor.device), dtype=config.resolved_dtype,
+        max_model_len=max_model_len, draft_top_k=config.draft_top_k,
+    )
+
+
 class DrafterActor:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
-        self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
-        cpu_threads(self.device)
-        self.target_spec = TargetSpec.from_dir(config.target)
-        self.spec = DrafterSpec.from_dir(config.drafter)
-        self.worker = DrafterWorker(
-            self.spec, self.target_spec, device=str(self.device), dtype=config.resolved_dtype,
-            max_model_len=max_model_len, draft_top_k=config.draft_top_k,
-        )
+        load_drafter(self, config, max_model_len)
         self.channel = None
         self.num_steps = 0
         self.step_settings = StepSettings.make(config, config.draft_block_size(self.spec.block_size), max_model_len,
