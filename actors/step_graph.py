@@ -75,10 +75,12 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
     by name (one chain runs at a time, and a chain's first step uploads
     every input), so the token history and tables exist once.
 
-    ``tree`` (greedy graphs of a speculative engine): blocks hold draft
-    trees chosen from this universe (draft_tree.py) instead of chains, a
-    row's lookup draft a branch of its tree; the accepted nodes' target K/V
-    move to their positions' slots in the same replay.
+    ``tree`` (a speculative engine's graphs, every sampling kind): blocks
+    hold draft trees chosen from this universe (draft_tree.py) instead of
+    chains, a greedy row's lookup draft a branch of its tree; sampled rows
+    walk theirs with the target's samples (``target_choices``); the
+    accepted nodes' target K/V move to their positions' slots in the same
+    replay.
 
     ``remote``: the channel to a drafter in another process, which replays
     its half (step_peers.py) from the same inputs. ``tp``: a ``TPLink`` to

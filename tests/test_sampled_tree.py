@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-
-from specray.draft_tree import accept_greedy, build, generic_paths, make_universe, path_tokens, target_choices
+from specray.draft_tree import (
+    accept_greedy,
+    build,
+    generic_paths,
+    make_universe,
+    path_tokens,
+    target_choices,
+)
 from specray.sampling import SamplingParams, SamplingTensors, filtered_probs
 
 N = 20_000  # seeded trials
