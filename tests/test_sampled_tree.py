@@ -6,7 +6,8 @@ mass on the tree's paths; and a biased rule is caught."""
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+
+from joint_sampling import pooled_chi2_p
 from specray.draft_tree import (
     accept_greedy,
     build,
@@ -19,19 +20,6 @@ from specray.sampling import SamplingParams, SamplingTensors, filtered_probs
 
 N = 20_000  # seeded trials
 V, G = 24, 7  # vocabulary (top-k 20 cuts it), nodes a tree
-
-
-def pooled_chi2_p(counts, probs, min_expected=5.0):
-    """Chi-square p-value, cells expected under ``min_expected`` pooled into
-    one (the statistic's approximation needs a handful per cell)."""
-    counts, probs = np.asarray(counts, dtype=np.float64), np.asarray(probs, dtype=np.float64)
-    assert counts[probs <= 0].sum() == 0, "drew a token of probability 0"
-    expected = probs / probs.sum() * counts.sum()
-    small = expected < min_expected
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    return chisquare(obs[keep], exp[keep]).pvalue
 
 
 class MarkovTarget:
