@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from joint_sampling import chi2_p, pooled_chi2_p, sampled_triples
+from joint_sampling import chi2_p, sampled_triples
 from specray.sampling import (
     STREAM_DRAFT,
     STREAM_TOKEN,
@@ -94,21 +94,16 @@ def test_rejection_sampling_matches_target_distribution(temperature, top_p, top_
     assert 1 in checked, (res.num_accepted >= 1).sum()
 
 
-@pytest.mark.parametrize("draft_tree", [False, True])
-def test_engine_emits_the_target_joint_distribution(tmp_path, draft_tree):
+def test_engine_emits_the_target_joint_distribution(tmp_path):
     """End to end: 20k seeded requests of 3 tokens each through the
-    speculative engine, verifying chains (rejection sampling) or draft trees
-    (the target's samples down the tree); the empirical joint distribution
-    of the three tokens matches the target's softmax chain (chi-square over
-    all 512 cells, those expected under 5 times pooled)."""
-    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], N, draft_tree=draft_tree)
+    speculative engine verifying chains (rejection sampling; trees emit the
+    autoregressive samples, test_draft_tree.py); the empirical joint
+    distribution of the three tokens matches the target's softmax chain
+    (chi-square over all 512 cells)."""
+    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], N, draft_tree=False)
     assert len(outs) == N and all(len(o.token_ids) == 3 for o in outs)
-    # Drafts were accepted, not only resampled. This drafter is untrained:
-    # a chain's random draft is accepted with sum(min(p, q)), a tree's
-    # top-ranked nodes with the target's mass on them, less here.
-    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-    assert accepted > (0.02 if draft_tree else 0.05) * N
-    assert pooled_chi2_p(cells, joint) > 1e-3
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.05 * N  # drafts were accepted, not only resampled
+    assert chi2_p(cells, joint) > 1e-3
 
 
 def test_unfiltered_rows_skip_the_sort_and_keep_the_softmax():
