@@ -19,10 +19,15 @@ from specray.sampling import sample_draft_tokens
 
 
 def draft_tree_of(logits: torch.Tensor, universe: TreeUniverse, lookup: torch.Tensor | None = None,
-                  has_lookup: torch.Tensor | None = None) -> tuple[torch.Tensor, DraftTree]:
+                  has_lookup: torch.Tensor | None = None,
+                  temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, DraftTree]:
     """A tree of ``G`` nodes per row from the drafter's logits ``[S, G, V]``
     (and prompt-lookup drafts ``[S, >= L]`` where ``has_lookup``:
-    ``draft_tree.build``)."""
+    ``draft_tree.build``). ``temperature`` ``[S]`` (sampled rows): paths
+    are scored at the row's temperature, the drafter's estimate of the
+    probability that the target's samples take them (0: greedy, as 1)."""
+    if temperature is not None:
+        logits = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
     top_logprobs, top_ids = ops.top_logprobs(logits, universe.top_k)
     G = logits.shape[1]
     if lookup is not None:
@@ -182,7 +187,9 @@ class DrafterWorker:
         if batch.tree and self.tree is not None:
             lookup = None if batch.tree_lookup is None else batch.tree_lookup.to(dev, non_blocking=True)
             has = None if batch.tree_lookup is None else batch.tree_has_lookup.to(dev, non_blocking=True)
-            tokens, tree = draft_tree_of(logits, self.tree, lookup, has)
+            st = batch.sampling
+            temp = None if st is None or st.all_greedy else st.temperature.to(dev, non_blocking=True)
+            tokens, tree = draft_tree_of(logits, self.tree, lookup, has, temp)
             return DraftOutput(tokens, None, None, tree)
         tokens, idx, q = sample_draft_tokens(logits, batch.sampling.to(dev), self.draft_top_k)
         return DraftOutput(tokens, idx, q)

@@ -44,7 +44,7 @@ from specray.actors.step_parts import (
     state_buffers,
     unpack_drafted,
 )
-from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, path_tokens
+from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, path_tokens, target_choices
 from specray.kernels.ops import accept_advance, argmax, block_inputs, move_kv
 from specray.plan import AttentionMetadata
 from specray.sampling import verify
@@ -75,10 +75,12 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
     by name (one chain runs at a time, and a chain's first step uploads
     every input), so the token history and tables exist once.
 
-    ``tree`` (greedy graphs of a speculative engine): blocks hold draft
-    trees chosen from this universe (draft_tree.py) instead of chains, a
-    row's lookup draft a branch of its tree; the accepted nodes' target K/V
-    move to their positions' slots in the same replay.
+    ``tree`` (a speculative engine's graphs, every sampling kind): blocks
+    hold draft trees chosen from this universe (draft_tree.py) instead of
+    chains, a greedy row's lookup draft a branch of its tree; sampled rows
+    walk theirs with the target's samples (``target_choices``); the
+    accepted nodes' target K/V move to their positions' slots in the same
+    replay.
 
     ``remote``: the channel to a drafter in another process, which replays
     its half (step_peers.py) from the same inputs. ``tp``: a ``TPLink`` to
@@ -101,7 +103,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
                          shared=shared, oracle=oracle is not None)
     query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)
     taps = target.tap_layer_ids if speculative else ()
-    use_tree = tree is not None and speculative and speculate and sampling == "greedy"
+    use_tree = tree is not None and speculative and speculate
 
     def step(n: int):
         start, last, real, budget = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n], bufs["budget"][:n]
@@ -115,7 +117,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         if local and speculate:
             drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None, oracle)
         elif remote is not None:
-            got = drafted_buffers(n, B, use_tree, sampling != "greedy", cfg.draft_top_k, dev)
+            got = drafted_buffers(n, B, use_tree, sampling != "greedy" and not use_tree, cfg.draft_top_k, dev)
             remote.recv_raw(got)
             drafted = unpack_drafted(got, B)
         else:
@@ -135,7 +137,9 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         looked_up = drafted.looked_up if drafted is not None else torch.zeros_like(real)
         row_kept = None
         if use_tree:
-            acc = accept_greedy(argmax(logits.view(n, B, -1)), drafts, drafted.shape, blk.block_len - 1)
+            # Sampled rows walk the tree with the target's samples (draft_tree.target_choices).
+            choices = target_choices(logits.view(n, B, -1), drafted.shape, st, argmax(logits.view(n, B, -1)))
+            acc = accept_greedy(choices, drafts, drafted.shape, blk.block_len - 1)
             src, dst = kv_moves(blk.target_slots, acc.path_rows)
             if tp is not None:
                 tp.send_moves(src, dst)

@@ -132,10 +132,12 @@ def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n:
     history, rows = (bufs["history"], bufs["slot"][:n]) if lookup else (None, None)
     if tree is not None:
         looked_up = found = None
-        if lookup:  # a row's lookup draft joins its tree as a branch
-            _, found, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, None,
+        greedy_rows = None if sampling == "greedy" else st.temperature == 0
+        if lookup:  # a row's lookup draft joins its tree as a branch (greedy rows', as synchronous steps)
+            _, found, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, greedy_rows,
                                                 torch.zeros_like(blk.block_ids[:, 1:]), last, lookup[0], lookup[1])
-        drafts, shape = draft_tree_of(draft_logits, tree, found, looked_up)
+        drafts, shape = draft_tree_of(draft_logits, tree, found, looked_up,
+                                      None if sampling == "greedy" else st.temperature)
         if looked_up is None:
             looked_up = torch.zeros(n, dtype=torch.bool, device=start.device)
         return Drafted(torch.cat([last[:, None], drafts], 1), looked_up, shape)

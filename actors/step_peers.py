@@ -125,7 +125,7 @@ def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int,
     # What the last proposal placed where: its rows' positions and context slots.
     prev = {name: shared.setdefault(name, torch.zeros(cfg.max_seqs, B, dtype=torch.int64, device=dev))
             for name in ("prev_positions", "prev_slots")}
-    use_tree = tree if mode == "greedy" else None
+    use_tree = tree
 
     def advance(n: int) -> None:
         """The previous step's results, as rank 0's replay applied them."""

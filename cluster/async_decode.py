@@ -319,7 +319,7 @@ class AsyncSteps:
                 shared.setdefault("history", self._step_buffers[0]["history"])
             self._step_graphs[key] = build_step_graphs(
                 target, local, settings, sampling=sampling, shared=shared,
-                tree=self.tree if sampling == "greedy" else None,
+                tree=self.tree,
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
                 speculate=spec,
             )
@@ -421,7 +421,7 @@ class AsyncSteps:
         other processes replay their halves of the step about to launch."""
         from specray.actors.step_peers import CHAINED, FIRST, StepWord
 
-        word = StepWord(n, mode, self.tree is not None and mode == "greedy" and spec, CHAINED if chained else FIRST,
+        word = StepWord(n, mode, self.tree is not None and spec, CHAINED if chained else FIRST,
                         spec, lane)
         for w in self._peers():
             w.async_step(word, inputs)

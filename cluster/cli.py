@@ -32,7 +32,7 @@ def add_model_args(p, prompt_lookup: bool = True) -> None:
                        help="launch each decode step before the previous one is read (default: on with CUDA "
                             "graphs on a GPU)")
         p.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, default=None,
-                       help="greedy requests verify a tree of the drafter's likeliest continuations instead of one "
+                       help="requests verify a tree of the drafter's likeliest continuations instead of one "
                             "chain (default: on where the target and drafter share a process)")
 
 

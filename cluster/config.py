@@ -349,9 +349,10 @@ class EngineConfig:
     # 1.96x -> 1.98x / 1.98x. None: on with async_scheduling, off without
     # (synchronous steps skip the drafter where every row has a lookup).
     prompt_lookup_agree: bool | None = None
-    # Draft trees (draft_tree.py): a greedy row verifies the B - 1 likeliest
-    # paths through the drafter's top tokens instead of one chain, in the
-    # same block (CPU, eval set, T=0: acceptance 2.31 -> 3.00 by replay).
+    # Draft trees (draft_tree.py): a row (greedy or sampled) verifies the
+    # B - 1 likeliest paths through the drafter's top tokens instead of one
+    # chain, in the same block (CPU, eval set, T=0: acceptance 2.31 -> 3.00
+    # by replay); a sampled row walks its tree with the target's samples.
     # Such steps take no prompt lookups. Needs the target and the drafter in
     # one process and no sliding-window layers. None: on where possible.
     draft_tree: bool | None = None

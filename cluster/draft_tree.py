@@ -28,10 +28,24 @@ gives the accepted count and the bonus (the argmax at its row). Every
 accepted token is thus the target's argmax given exactly the accepted
 prefix, so the output is the target's greedy output.
 
+Sampled rows walk the tree the same way with the target's *sample* at each
+row in place of its argmax (``target_choices``): row ``i``'s token is drawn
+from the target's filtered distribution there by inverse CDF with the
+row's STREAM_TOKEN uniform of position ``anchor + depth(i) + 1``, exactly
+the draw an autoregressive step makes for that position. Exact: along the
+accepted path every emitted token is the target's own sample given the
+tokens before it, each position's uniform used once (siblings share their
+position's uniform, but at most one of them is on the path), and the next
+step starts past the bonus with fresh uniforms. So a sampled row's output
+is token for token the autoregressive engine's with the same seed. The
+tree's nodes are the drafter's top-ranked tokens, not samples, so
+SpecInfer's rule (for i.i.d. drafts) does not apply; for a fixed set of
+children ``C`` no exact rule accepts with probability above the target's
+mass on ``C``, and this one attains it at every node.
+
 The accepted nodes' K/V were written at their rows' slots; ``kv_moves``
 lists the copies to the slots of their depths, where the next step expects
-them. Trees are for greedy rows only: rejection sampling over a tree
-(SpecInfer's) is not built, so sampled rows verify chains.
+them.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.kernels import ops
+from specray.sampling import STREAM_TOKEN, SamplingTensors, filtered_probs, sample_inverse_cdf
 
 TREE_FILE = "draft_tree.json"  # rank paths, beside a drafter's config.json
 
@@ -188,10 +203,34 @@ class TreeAcceptance:
     row_kept: torch.Tensor  # [S, N + 1] bool: the anchor and the accepted nodes
 
 
+def target_choices(logits: torch.Tensor, tree: DraftTree, st: SamplingTensors,
+                   argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """``[S, R]``: the target's token at each of the first ``R`` block rows
+    of ``logits`` ``[S, R, V]``: the argmax for greedy rows; for sampled
+    rows the inverse-CDF sample of the row's filtered distribution with the
+    STREAM_TOKEN uniform of the position it predicts (``st.uniforms`` built
+    from the anchors' positions, at least ``N + 1`` wide): what an
+    autoregressive step after the row's path would emit. Fixed shapes, no
+    host sync (async step graphs run it too)."""
+    S, R, V = logits.shape
+    argmax = ops.argmax(logits) if argmax is None else argmax
+    if st.all_greedy:
+        return argmax
+    depths = row_depths(tree)[:, :R]
+    if st.uniforms.shape[-1] <= int(tree.depth.shape[1]):
+        raise ValueError(f"the sampling uniforms cover {st.uniforms.shape[-1]} positions per row, "
+                         f"a tree of {tree.depth.shape[1]} nodes reads {tree.depth.shape[1] + 1}")
+    p = filtered_probs(logits.reshape(S * R, V), st, rows_per_seq=R, greedy_rows=False)
+    u = st.uniforms[STREAM_TOKEN - 1].gather(1, depths)
+    sampled = sample_inverse_cdf(p, u.reshape(-1)).view(S, R)
+    return torch.where(st.temperature[:, None] == 0, argmax, sampled)
+
+
 def accept_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor, tree: DraftTree,
                   num_drafts: torch.Tensor) -> TreeAcceptance:
-    """Greedy acceptance over each row's tree: ``target_argmax`` ``[S, N + 1]``
-    at every block row, ``tokens`` ``[S, N]`` the nodes' drafts; only the
+    """Acceptance over each row's tree: ``target_argmax`` ``[S, N + 1]`` the
+    target's token at every block row (its argmax, or for sampled rows its
+    sample: ``target_choices``), ``tokens`` ``[S, N]`` the nodes' drafts; only the
     first ``num_drafts[s]`` nodes are real (a block cut short by its emit
     budget keeps its first rows: a closed subtree, nodes following their
     parents)."""
@@ -209,7 +248,7 @@ def accept_greedy(target_argmax: torch.Tensor, tokens: torch.Tensor, tree: Draft
     best_row = torch.where(num_accepted > 0, deepest + 1, 0)
     bonus = target_argmax.gather(1, best_row[:, None]).squeeze(1)
     # Accepted nodes have distinct depths (one per depth: the target's
-    # argmax is a single path, and siblings hold distinct tokens).
+    # choices are a single path, and siblings hold distinct tokens).
     path = torch.cat([nodes + 1, nodes.new_zeros(1)]).expand(S, -1).clone()  # [S, N + 1]
     path.scatter_(1, torch.where(ok, tree.depth - 1, N), (nodes + 1).expand(S, -1))
     row_kept = torch.cat([torch.ones_like(ok[:, :1]), ok], 1)

@@ -80,7 +80,7 @@ class DraftBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int32, drafter context pool
     max_ctx_len: int
     sampling: SamplingTensors
-    tree: bool = False  # draft a tree per row (draft_tree.py): greedy rows only
+    tree: bool = False  # draft a tree per row (draft_tree.py): greedy and sampled rows
     tree_lookup: torch.Tensor | None = None  # [S, L] int64: prompt-lookup drafts a tree takes as a branch
     tree_has_lookup: torch.Tensor | None = None  # [S] bool: rows that have one
     # The rows' Request objects, for a drafter in this process that asks

@@ -18,11 +18,10 @@ class StepBatches:
     """``EngineCore``'s batch building for synchronous steps."""
 
     def _tree_step(self, decode: list[DecodeItem]) -> bool:
-        """Whether this step's blocks hold draft trees: every row greedy, and
-        none needing what walks a chain's rows (min_tokens' mask, log
-        probabilities, penalties)."""
-        return self.tree is not None and all(
-            d.request.params.greedy and not d.request.reads_verify_rows for d in decode)
+        """Whether this step's blocks hold draft trees (greedy and sampled
+        rows alike): none needing what walks a chain's rows (min_tokens'
+        mask, log probabilities, penalties)."""
+        return self.tree is not None and not any(d.request.reads_verify_rows for d in decode)
 
     def _place_tree(self, batch, tree, draft_dst: torch.Tensor, draft_src: torch.Tensor) -> None:
         """Positions (the anchor's plus each node's depth) and attention

@@ -1,6 +1,6 @@
 """Acceptance of a synchronous step on the device: greedy and rejection
-sampling over chains (sampling.verify), greedy acceptance over draft trees
-(draft_tree.py, moving the accepted K/V), the first tokens of finished
+sampling over chains (sampling.verify), acceptance over draft trees of
+greedy and sampled rows (draft_tree.py, moving the accepted K/V), the first tokens of finished
 prompts; the results reach the host in one transfer."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.draft_tree import accept_greedy, kv_moves, path_tokens
-from specray.kernels import ops
+from specray.draft_tree import accept_greedy, kv_moves, path_tokens, target_choices
 from specray.sampling import SamplingTensors, verify
 from specray.staging import host_to_device
 
@@ -60,7 +59,7 @@ class SyncAccept:
                 target_logits = logits[host_to_device(verify_rows, dev)]
         if tree:
             G = drafts.tokens.shape[1]
-            parts += self._accept_tree(decode, target_logits, num_drafts, drafts, batch)
+            parts += self._accept_tree(decode, target_logits, num_drafts, drafts, batch, st)
         elif S:
             if drafts is not None:
                 draft_tokens = drafts.tokens[:, :G].to(dev)
@@ -85,14 +84,15 @@ class SyncAccept:
         host, ready = self.result_buffers.fetch(flat) if flat.is_cuda else (flat, None)
         return AcceptedOnDevice(host, ready, S, G, first.bonus if sampling else None, tree=bool(tree))
 
-    def _accept_tree(self, decode, target_logits, num_drafts, drafts, batch) -> list[torch.Tensor]:
-        """Greedy acceptance over draft trees, from the verify blocks' logits
+    def _accept_tree(self, decode, target_logits, num_drafts, drafts, batch, st) -> list[torch.Tensor]:
+        """Acceptance over draft trees (greedy rows: the target's argmax;
+        sampled rows: its samples, draft_tree.target_choices), from the verify blocks' logits
         ``[S, longest block, V]``; the accepted nodes' target K/V move to
         their positions' slots. Returns the device parts of the results:
         accepted counts, bonus tokens, the paths' drafts and block rows."""
         dev, S = target_logits.device, len(decode)
         B = drafts.tokens.shape[1] + 1
-        target_argmax = ops.argmax(target_logits)
+        target_argmax = target_choices(target_logits, drafts.tree, st)
         if target_argmax.shape[1] < B:  # rows past every block: no real node has its parent there
             target_argmax = torch.nn.functional.pad(target_argmax, (0, B - target_argmax.shape[1]))
         acc = accept_greedy(target_argmax, drafts.tokens, drafts.tree, num_drafts)

@@ -150,8 +150,9 @@ def test_fewer_speculative_tokens_than_the_drafters_block(models):
         assert runs[True][rid].token_ids == runs[False][rid].token_ids, rid
         if params[int(rid)].temperature == 0:
             assert runs[False][rid].token_ids == ar[rid].token_ids, rid
-    # The drafters' blocks are accepted at times, full ones included.
-    assert 3 in [a for o in runs[False].values() for a in o.metrics.acceptance_lengths]
+    # The drafters' blocks are accepted at times (every row verifies a tree
+    # of two nodes, often two siblings, so a full block is not guaranteed).
+    assert max(a for o in runs[False].values() for a in o.metrics.acceptance_lengths) >= 2
 
 
 @pytest.mark.parametrize("agree", [False, True], ids=["plain", "agree"])

@@ -277,18 +277,44 @@ def test_trees_with_lookup_branches_emit_the_autoregressive_tokens(models, async
     assert sum(o.metrics.num_lookup_steps for o in outs) > 0
 
 
-def test_sampled_rows_verify_chains(models):
-    eng = engine(models)
-    prompts = [[5, 17, 30, 41], [9, 8, 7]]
-    params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=1.0, seed=3, max_tokens=12)]
+SAMPLED = [SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=4, max_tokens=25, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+           SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=22, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs", "async"])
+def test_sampled_trees_emit_the_autoregressive_samples(models, mode):
+    """A sampled row walks its tree with the target's own samples (the
+    uniform of each position), so its output is token for token the
+    autoregressive engine's with the same seed; greedy rows share the step."""
+    prompts = [[5, 17, 30, 41], [9, 8, 7, 6, 5, 4, 3], [100, 3, 77], [12, 13]]
+    ar = run_engine_to_end(engine(models, drafter=None), prompts, SAMPLED)
+    kw = {"eager": {}, "graphs": {"cuda_graphs": True}, "async": {"cuda_graphs": True, "async_scheduling": True}}[mode]
+    kw["prompt_lookup_min"] = 0
+    eng = engine(models, **kw)
     calls = []
     propose = eng.drafter.propose
     eng.drafter.propose = lambda batch: calls.append(batch.tree) or propose(batch)
-    run_engine_to_end(eng, prompts, params)
-    assert calls and not any(calls)  # a batch with a sampled row drafts chains
-    calls.clear()
-    run_engine_to_end(eng, [[5, 17, 30, 41]], [SamplingParams(temperature=0.0, max_tokens=12)])
-    assert calls and all(calls)
+    OracleDrafts(eng, [p + o.token_ids for p, o in zip(prompts, ar)])
+    outs = run_engine_to_end(eng, prompts, SAMPLED)
+    assert all(calls) and (calls or mode == "async")  # sampled rows draft trees (async: in the step graphs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    # The decoys fill every chain's first draft: only the trees accept them
+    # (the row at T=0.8 scores its paths at 0.8, which trusts the decoys more).
+    assert min(o.metrics.mean_acceptance_length for o in outs[:3]) >= 1.8
+    if mode == "async":  # the step graphs drafted and walked the trees themselves
+        assert eng.num_async_steps > 5
+
+
+def test_rows_that_read_verify_rows_keep_sampled_batches_on_chains(models):
+    eng = engine(models)
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=12, logprobs=1), SAMPLED[0]]
+    calls = []
+    propose = eng.drafter.propose
+    eng.drafter.propose = lambda batch: calls.append(batch.tree) or propose(batch)
+    run_engine_to_end(eng, [[5, 17, 30, 41], [9, 8, 7]], params)
+    assert calls and not all(calls)  # steps with the logprobs row draft chains
 
 
 def test_draft_tree_where_it_cannot_run_is_refused(tmp_path):

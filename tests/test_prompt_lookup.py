@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factories import make_drafter, make_target
-from joint_sampling import chi2_p, sampled_triples
+from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
 from specray.plan import DraftOutput
 from specray.prompt_lookup import NgramIndex, merge_lookup_drafts
@@ -206,7 +206,7 @@ def test_sampled_with_lookup_keeps_the_target_distribution(tmp_path):
     outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3, 2, 6], N, prompt_lookup_min=1,
                                          prompt_lookup_sampled=True)
     assert len(outs) == N and sum(o.metrics.num_lookup_steps for o in outs) > 0.2 * N
-    assert chi2_p(cells, joint) > 1e-3
+    assert pooled_chi2_p(cells, joint) > 1e-3
 
 
 def test_prompt_lookup_bench_reports_identical_tokens(ckpt, tmp_path):

@@ -96,9 +96,11 @@ def test_rejection_sampling_matches_target_distribution(temperature, top_p, top_
 
 def test_engine_emits_the_target_joint_distribution(tmp_path):
     """End to end: 20k seeded requests of 3 tokens each through the
-    speculative engine; the empirical joint distribution of the three tokens
-    matches the target's softmax chain (chi-square over all 512 cells)."""
-    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], N)
+    speculative engine verifying chains (rejection sampling; trees emit the
+    autoregressive samples, test_draft_tree.py); the empirical joint
+    distribution of the three tokens matches the target's softmax chain
+    (chi-square over all 512 cells)."""
+    outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], N, draft_tree=False)
     assert len(outs) == N and all(len(o.token_ids) == 3 for o in outs)
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.05 * N  # drafts were accepted, not only resampled
     assert chi2_p(cells, joint) > 1e-3
