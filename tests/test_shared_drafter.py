@@ -6,6 +6,7 @@ partitioned per replica and proposals arriving together run as one
 propose. Also: sizing N from propose / verify times, the batcher alone, a
 lost shared drafter (replicas step on without it), bad configurations."""
 
+import contextlib
 import threading
 import time
 
@@ -128,6 +129,28 @@ def generate_at_once(llms, params, steps=None):
     return out
 
 
+def inprocess_greedy(root):
+    """Each replica's greedy tokens from the in-process engine."""
+    greedy = params_sets()[0][1]
+    local = LLM(root / "t", root / "d")
+    return [[o.token_ids for o in local.generate(PROMPTS[r], greedy[r])] for r in range(2)]
+
+
+@contextlib.contextmanager
+def shared_replicas(root, kw, gather_ms: float = 0.0):
+    """A shared drafter and two Ray engines paired with it, shut down after."""
+    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **kw)
+    shared = start_shared_drafter(config, 2, gather_ms=gather_ms)
+    llms = []
+    try:
+        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **kw) for r in range(2)]
+        yield shared, llms
+    finally:
+        for llm in llms:
+            llm.shutdown()
+        shared.shutdown()
+
+
 def test_two_replicas_share_one_drafter(cluster):
     root = cluster
     want = {}
@@ -145,11 +168,7 @@ def test_two_replicas_share_one_drafter(cluster):
     finally:
         solo.shutdown()
 
-    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **KW)
-    shared = start_shared_drafter(config, 2, gather_ms=20)
-    llms = []
-    try:
-        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **KW) for r in range(2)]
+    with shared_replicas(root, KW, gather_ms=20) as (shared, llms):
         features = llms[0].stats()["features"]
         assert not features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         for name, params in params_sets():
@@ -169,10 +188,6 @@ def test_two_replicas_share_one_drafter(cluster):
         got = llms[1].generate(PROMPTS[1], greedy[1])
         assert [o.token_ids for o in got] == want["greedy"][1]
         assert sum(o.metrics.num_draft_tokens for o in got) > 0
-    finally:
-        for llm in llms:
-            llm.shutdown()
-        shared.shutdown()
 
 
 def test_async_config_runs_synchronous_steps(cluster):
@@ -182,21 +197,13 @@ def test_async_config_runs_synchronous_steps(cluster):
     the in-process engine's."""
     root = cluster
     kw = dict(KW, cuda_graphs=True, async_scheduling=True, max_num_seqs=8, adaptive_speculation=False)
-    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **kw)
     greedy = params_sets()[0][1]
-    want = [[o.token_ids for o in LLM(root / "t", root / "d").generate(PROMPTS[r], greedy[r])] for r in range(2)]
-    shared = start_shared_drafter(config, 2)
-    llms = []
-    try:
-        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **kw) for r in range(2)]
+    want = inprocess_greedy(root)
+    with shared_replicas(root, kw) as (_, llms):
         feature = llms[0].stats()["features"]["async_scheduling"]
         assert not feature["on"] and "N:1" in feature["reason"], feature
         assert generate_at_once(llms, greedy) == want
         assert all(llm.stats()["num_async_steps"] == 0 for llm in llms)
-    finally:
-        for llm in llms:
-            llm.shutdown()
-        shared.shutdown()
 
 
 def test_lost_shared_drafter_replicas_step_on(cluster):
@@ -204,22 +211,14 @@ def test_lost_shared_drafter_replicas_step_on(cluster):
     pair closed), and it steps on autoregressively with the same tokens."""
     root = cluster
     kw = dict(KW, drafter_timeout_s=3.0)
-    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **kw)
     greedy = params_sets()[0][1]
-    want = [[o.token_ids for o in LLM(root / "t", root / "d").generate(PROMPTS[r], greedy[r])] for r in range(2)]
-    shared = start_shared_drafter(config, 2)
-    llms = []
-    try:
-        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **kw) for r in range(2)]
+    want = inprocess_greedy(root)
+    with shared_replicas(root, kw) as (shared, llms):
         assert generate_at_once(llms, greedy) == want
         ray.kill(shared.actor)
         assert generate_at_once(llms, greedy) == want
         for llm in llms:
             assert llm.stats()["drafter"]["state"] != "up"
-    finally:
-        for llm in llms:
-            llm.shutdown()
-        shared.shutdown()
 
 
 def test_replica_rebuilt_pairs_again(cluster):
@@ -232,13 +231,9 @@ def test_replica_rebuilt_pairs_again(cluster):
     import ray._private.state
 
     root = cluster
-    config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **KW)
     greedy = params_sets()[0][1]
-    want = [[o.token_ids for o in LLM(root / "t", root / "d").generate(PROMPTS[r], greedy[r])] for r in range(2)]
-    shared = start_shared_drafter(config, 2)
-    llms = []
-    try:
-        llms = [LLM(root / "t", root / "d", backend="ray", shared_drafter=shared.replica(r), **KW) for r in range(2)]
+    want = inprocess_greedy(root)
+    with shared_replicas(root, KW) as (_, llms):
         assert generate_at_once(llms, greedy) == want
         pid = ray._private.state.actors()[llms[0]._core.driver._actor_id.hex()]["Pid"]
         os.kill(pid, signal.SIGKILL)
@@ -253,10 +248,6 @@ def test_replica_rebuilt_pairs_again(cluster):
         assert [[o.token_ids for o in g] for g in got] == want
         assert all(sum(o.metrics.num_draft_tokens for o in g) > 0 for g in got)
         assert all(llm.stats()["drafter"]["state"] == "up" for llm in llms)
-    finally:
-        for llm in llms:
-            llm.shutdown()
-        shared.shutdown()
 
 
 def test_shared_drafter_bad_configs(cluster):
