@@ -130,9 +130,10 @@ def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n:
     draft_logits = drafter.model.logits(hidden[:, 1:])
     lookup = cfg.lookup
     history, rows = (bufs["history"], bufs["slot"][:n]) if lookup else (None, None)
+    # Lookups draft for greedy rows only, as in synchronous steps.
+    greedy_rows = None if sampling == "greedy" or not lookup else st.temperature == 0
     if tree is not None:
         looked_up = found = None
-        greedy_rows = None if sampling == "greedy" else st.temperature == 0
         if lookup:  # a row's lookup draft joins its tree as a branch (greedy rows', as synchronous steps)
             _, found, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, greedy_rows,
                                                 torch.zeros_like(blk.block_ids[:, 1:]), last, lookup[0], lookup[1])
@@ -145,7 +146,6 @@ def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n:
     if oracle is not None:
         drafts = oracle.device_drafts(bufs, n, start, last, drafts)
     if lookup:
-        greedy_rows = None if sampling == "greedy" else st.temperature == 0
         input_ids, _, looked_up = lookup_drafts(history, rows, blk.known_lens, blk.block_len, greedy_rows, drafts,
                                                 last, lookup[0], lookup[1], cfg.lookup_agree)
     else:
