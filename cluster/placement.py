@@ -79,10 +79,10 @@ class EngineActors:
         if self.release is not None:
             self.release()
         else:
-            _release(self.placement_group, self.rendezvous_dir)
+            release_group(self.placement_group, self.rendezvous_dir)
 
 
-def _release(placement_group, rendezvous_dir: str | None) -> None:
+def release_group(placement_group, rendezvous_dir: str | None = None) -> None:
     import ray
 
     if ray.is_initialized():
@@ -189,7 +189,7 @@ def start_engine_actors(
     except BaseException:
         actors.shutdown(timeout_s=5)
         raise
-    actors.release = weakref.finalize(actors, _release, pg, actors.rendezvous_dir)
+    actors.release = weakref.finalize(actors, release_group, pg, actors.rendezvous_dir)
     return actors
 
 

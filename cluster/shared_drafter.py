@@ -100,16 +100,6 @@ class DrafterShare:
     index: int
 
 
-def _remove_group(pg) -> None:
-    import ray
-
-    if ray.is_initialized():
-        try:
-            ray.util.remove_placement_group(pg)
-        except Exception:
-            pass
-
-
 def start_shared_drafter(config: EngineConfig, num_replicas: int, gather_ms: float = 0.0,
                          ready_timeout_s: float = 120.0) -> SharedDrafter:
     """A drafter actor for ``num_replicas`` replicas of ``config``'s target.
@@ -125,7 +115,7 @@ def start_shared_drafter(config: EngineConfig, num_replicas: int, gather_ms: flo
     from specray.actors.shared_drafter import SharedDrafterActor
     from specray.config import DrafterSpec
     from specray.llm import resolve_max_model_len
-    from specray.placement import ensure_ray
+    from specray.placement import ensure_ray, release_group
 
     if not config.drafter:
         raise ConfigError("a shared drafter needs config.drafter")
@@ -169,5 +159,5 @@ def start_shared_drafter(config: EngineConfig, num_replicas: int, gather_ms: flo
         ray.util.remove_placement_group(pg)
         raise
     shared = SharedDrafter(actor, pg, config, n, max_model_len, per)
-    shared.release = weakref.finalize(shared, _remove_group, pg)
+    shared.release = weakref.finalize(shared, release_group, pg)
     return shared
