@@ -58,19 +58,48 @@ MODELS = ["embedded"] + [f"{shape}-oracle" for shape in sorted(SHAPES)]
 
 def closed_loop(engine, prompts: list, params: SamplingParams, concurrency: int) -> tuple[list, float]:
     """``concurrency`` requests in flight until every prompt ran; the final
-    outputs (prompt order) and the wall seconds."""
-    tag, outs, live, i = uuid.uuid4().hex[:8], {}, 0, 0
+    outputs (prompt order) and the wall seconds. ``engine.loop_steps``: the
+    engine steps it took (what the steps were: ``step_counters``)."""
+    tag, outs, live, i, steps = uuid.uuid4().hex[:8], {}, 0, 0, 0
     t = time.perf_counter()
     while i < len(prompts) or engine.has_unfinished():
         while i < len(prompts) and live < concurrency:
             engine.add_request(prompts[i], params, request_id=f"{tag}-{i}")
             i, live = i + 1, live + 1
+        steps += 1
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
                 live -= 1
     secs = time.perf_counter() - t
+    engine.loop_steps = steps
     return [outs[f"{tag}-{j}"] for j in range(len(prompts))], secs
+
+
+def step_counters(engine) -> dict:
+    """Running totals that tell what kind of steps a point ran: async
+    (graph-replayed, chained) cycles and their wall / device seconds, and
+    the adaptive policy's speculative / autoregressive choices."""
+    out = {"async_steps": engine.num_async_steps, "async_wall_s": engine.async_wall_s,
+           "async_gpu_s": engine.async_gpu_s}
+    if engine.policy is not None:
+        snap = engine.policy.snapshot()
+        out |= {"speculative_steps": snap["speculative_steps"], "autoregressive_steps": snap["autoregressive_steps"]}
+    return out
+
+
+def step_summary(engine, before: dict, secs: float) -> dict:
+    """What the point's steps were (``step_counters`` since ``before``)."""
+    after = step_counters(engine)
+    d = {k: after[k] - before[k] for k in after}
+    steps = engine.loop_steps
+    out = {"steps": steps, "wall_ms_per_step": round(1000 * secs / steps, 4) if steps else None,
+           "async_steps": d["async_steps"],
+           "async_gpu_ms_per_step": round(1000 * d["async_gpu_s"] / d["async_steps"], 4) if d["async_steps"] else None}
+    if "speculative_steps" in d:
+        out |= {"speculative_steps": d["speculative_steps"], "autoregressive_steps": d["autoregressive_steps"],
+                "policy_step_ms": engine.policy.snapshot()["step_ms"]}
+    return out
 
 
 def workload(args, tokenizer, vocab: int) -> dict[int, list]:
@@ -108,8 +137,9 @@ def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point
     for c in args.concurrency:
         if getattr(eng, "oracle", None) is not None:
             eng.oracle.stats = OracleStats()
+        before = step_counters(eng)
         outs, secs = closed_loop(eng, prompts[c], params, c)
-        on_point(c, outs, secs)
+        on_point(c, outs, secs, step_summary(eng, before, secs))
 
 
 def release() -> None:
@@ -158,8 +188,8 @@ def sweep(args) -> dict:
     oracle = Oracle(profile, vocab) if profile else None
     run["ar_features"] = ar.engine.features()
     for temp in args.temperatures:
-        def ar_point(c, outs, secs, temp=temp):
-            ar_points[(c, temp)] = {"summary": summarize(outs, secs), "outs": outs}
+        def ar_point(c, outs, secs, steps, temp=temp):
+            ar_points[(c, temp)] = {"summary": summarize(outs, secs), "outs": outs, "steps": steps}
             if oracle is not None:
                 oracle.record_outputs(outs)
             print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
@@ -179,7 +209,7 @@ def sweep(args) -> dict:
     run["spec_features"] = spec.engine.features()
     expected = profile.expected_length(block - 1) if profile else None
     for temp in args.temperatures:
-        def spec_point(c, outs, secs, temp=temp):
+        def spec_point(c, outs, secs, steps, temp=temp):
             s, a = summarize(outs, secs), ar_points[(c, temp)]
             point = {"model": args.model, "oracle_acceptance": label, "concurrency": c, "temperature": temp,
                      "spec_tok_s": round(s["tok_s"], 2), "ar_tok_s": round(a["summary"]["tok_s"], 2),
@@ -188,7 +218,7 @@ def sweep(args) -> dict:
                      if s["mean_acceptance_length"] else None,
                      "requests": len(outs), "max_tokens": args.max_tokens, "spec_tokens": s["tokens"],
                      "ar_tokens": a["summary"]["tokens"], "spec_s": round(s["seconds"], 4),
-                     "ar_s": round(a["summary"]["seconds"], 4)}
+                     "ar_s": round(a["summary"]["seconds"], 4), "spec_steps": steps, "ar_steps": a["steps"]}
             if temp == 0:
                 point["identical_outputs"] = sum(x.token_ids == y.token_ids for x, y in zip(outs, a["outs"]))
             if oracle is not None:
@@ -200,7 +230,9 @@ def sweep(args) -> dict:
             print(f"{tag} c={c} T={temp}: spec {point['spec_tok_s']:.1f} tok/s vs AR {point['ar_tok_s']:.1f} tok/s "
                   f"= {point['speedup']:.2f}x | acceptance {point['mean_acceptance_length']}"
                   + (f" (profile {expected:.2f})" if expected else "")
-                  + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else ""), flush=True)
+                  + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else "")
+                  + f" | steps {steps['steps']} ({steps['wall_ms_per_step']} ms, {steps['async_steps']} async"
+                  + (f", {steps['speculative_steps']} speculative)" if "speculative_steps" in steps else ")"), flush=True)
             write(args, run, points)
         run_engine(spec, prompts, args, temp, spec_point)
     spec.shutdown()

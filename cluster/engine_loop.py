@@ -95,7 +95,10 @@ class EngineLoop:
         acknowledged by asking for what follows, so a poll whose answer was
         lost (a caller gone mid-call) loses nothing. ``cursor=-1`` takes
         whatever is there. Waits up to ``timeout`` for the first output,
-        then ``min_batch_s`` more so that one call carries several steps."""
+        then ``min_batch_s`` more so that one call carries several steps,
+        unless a request's first tokens or its end are waiting: those set
+        time to first token and, in a closed loop, when the next request
+        starts, so they go at once."""
         deadline = time.monotonic() + timeout
         with self._cv:
             if cursor >= 0:
@@ -111,7 +114,8 @@ class EngineLoop:
                 # Stopped with nothing left to deliver: pollers (a stream's
                 # pump, generate_sync) must end, not spin on empty answers.
                 raise RuntimeError(self._gone())
-        if min_batch_s > 0:
+            urgent = any(map(_urgent, self._outbox))
+        if min_batch_s > 0 and not urgent:
             time.sleep(min_batch_s)
         with self._cv:
             return self._base + len(self._outbox), list(self._outbox)
@@ -256,3 +260,8 @@ class EngineLoop:
         """End every request the engine holds; their final outputs."""
         outs = (self.engine.abort_request(rid) for rid in list(self.engine.requests))
         return [o for o in outs if o is not None]
+
+
+def _urgent(out: RequestOutput) -> bool:
+    """A request's end, or its first tokens."""
+    return out.finished or len(out.token_ids) == len(out.delta_token_ids)

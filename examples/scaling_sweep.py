@@ -44,9 +44,13 @@ def _write_random(out: Path, shapes: dict[str, tuple[int, ...]], shard_bytes: in
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
+    # Drawn on the GPU when there is one: an 8B shape's normals take
+    # minutes on the host.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     shards, cur, size = [], {}, 0
     for name, shape in shapes.items():
-        t = torch.ones(shape, dtype=torch.bfloat16) if "norm" in name else torch.randn(shape).mul_(0.02).bfloat16()
+        t = torch.ones(shape, dtype=torch.bfloat16) if "norm" in name else \
+            torch.randn(shape, device=dev).mul_(0.02).bfloat16().cpu()
         cur[name] = t
         size += t.numel() * 2
         if size >= shard_bytes:

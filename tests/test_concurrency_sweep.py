@@ -39,6 +39,10 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
         assert p["oracle"]["diverged_requests"] == 0
         # const:1.0: whole blocks (16 tokens) accepted; 12 tokens = the prefill's + one cut block of 11.
         assert p["mean_acceptance_length"] == 11
+        # what the steps were: a prefill and a decode step a request at c=1, asynchronous decode steps
+        assert p["spec_steps"]["steps"] >= 2 * p["requests"] // p["concurrency"]
+        assert 0 < p["spec_steps"]["async_steps"] < p["spec_steps"]["steps"]
+        assert p["ar_steps"]["steps"] > p["spec_steps"]["steps"]
     stdout = capsys.readouterr().out
     assert stdout.count("ORACLE ACCEPTANCE const:1.0") >= 4  # every line of the run says so
 

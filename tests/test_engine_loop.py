@@ -1,0 +1,32 @@
+"""EngineLoop.get_outputs: how long a poll holds outputs back."""
+
+import threading
+import time
+
+from specray.engine_loop import EngineLoop
+from specray.request import RequestMetrics, RequestOutput
+
+
+def bare_loop(outputs) -> EngineLoop:
+    # The outbox alone: get_outputs reads nothing else of the loop.
+    loop = EngineLoop.__new__(EngineLoop)
+    loop._cv, loop._outbox, loop._base, loop._closed = threading.Condition(), list(outputs), 0, False
+    return loop
+
+
+def output(token_ids, delta, finished=False) -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], "", token_ids, finished, "length" if finished else None,
+                         RequestMetrics(), delta_token_ids=delta)
+
+
+def poll_seconds(out, min_batch_s=0.4) -> float:
+    t = time.monotonic()
+    cursor, outs = bare_loop([out]).get_outputs(-1, 1.0, min_batch_s)
+    assert (cursor, outs) == (1, [out])
+    return time.monotonic() - t
+
+
+def test_first_tokens_and_ends_are_not_held_back_to_batch_steps():
+    assert poll_seconds(output([7, 8], [7, 8])) < 0.2  # a request's first tokens
+    assert poll_seconds(output([7, 8, 9], [9], finished=True)) < 0.2  # its end
+    assert poll_seconds(output([7, 8, 9], [9])) >= 0.4  # mid-stream: batched with the next steps
