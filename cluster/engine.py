@@ -245,7 +245,10 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
         self.num_async_steps += 1
-        self._cycle = (t0, prev) if self._inflight else None
+        # A cycle that captured the graph of a step it launched did not cost
+        # what a step costs: the policy leaves it out.
+        captured = any(p.timing is None for p in self._inflight)
+        self._cycle = (t0, prev) if self._inflight and not captured else None
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         self.async_wall_s += self.last_step.total
         return outputs

@@ -69,7 +69,13 @@ class SpecPolicy:
         if seconds > 0:
             key = (n_padded, spec)
             old = self.cost.get(key)
-            self.cost[key] = seconds if old is None else (1 - ALPHA) * old + ALPHA * seconds
+            # A measurement far below the mean replaces it: an overestimated
+            # kind is chosen (and measured) only by the rare probes, so one
+            # slow first step (a graph launched cold, a busy host) would
+            # otherwise keep it off for hundreds of steps; an underestimate
+            # corrects itself, since that kind runs and is measured.
+            fresh = old is None or seconds < old / 2
+            self.cost[key] = seconds if fresh else (1 - ALPHA) * old + ALPHA * seconds
         if spec and tokens_per_row is not None:
             k = _kind(kind)
             old = self.emitted.get(k)

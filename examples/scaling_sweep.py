@@ -39,18 +39,51 @@ SHAPES = {
 }
 
 
-def _write_random(out: Path, shapes: dict[str, tuple[int, ...]], shard_bytes: int = 4 << 30) -> None:
-    """Random bf16 weights (norms: ones) as safetensors shards + index."""
+# The target's embeddings are drawn this large, against ~0.02-std layers:
+# the residual stream stays mostly its token's embedding (36 random layers
+# of the 8B shape add an RMS of ~16 to 64).
+EMBED_SCALE = 64.0
+
+
+def _device() -> str:
+    # Normals for an 8B shape take minutes on the host.
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def greedy_permutation_head(vocab: int, hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Embeddings and an LM head under which the greedy next token of t is
+    ``perm[t]`` with a wide margin: the head's row ``perm[t]`` is t's
+    embedding (unit scale). With plain random weights the top two logits
+    sit within bf16 rounding of each other, so a verify block and an
+    autoregressive step (other kernels, other batch shapes) pick
+    different tokens within a few steps; an oracle-acceptance run, whose
+    drafts are the recorded autoregressive continuation, then accepts
+    nothing. The compute of every layer is the same as with any weights."""
+    g = torch.Generator(_device()).manual_seed(seed)
+    embed = torch.randn(vocab, hidden, device=_device(), generator=g)
+    perm = torch.randperm(vocab, device=_device(), generator=g)
+    head = torch.empty_like(embed)
+    head[perm] = embed
+    return {"model.embed_tokens.weight": embed.mul_(EMBED_SCALE).bfloat16().cpu(), "lm_head.weight": head.bfloat16().cpu(),
+            "perm": perm.cpu()}
+
+
+def _write_random(out: Path, shapes: dict[str, tuple[int, ...]], shard_bytes: int = 4 << 30,
+                  given: dict[str, torch.Tensor] | None = None) -> None:
+    """Random bf16 weights (norms: ones; ``given`` tensors as they are) as
+    safetensors shards + index."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    # Drawn on the GPU when there is one: an 8B shape's normals take
-    # minutes on the host.
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    given = given or {}
     shards, cur, size = [], {}, 0
     for name, shape in shapes.items():
-        t = torch.ones(shape, dtype=torch.bfloat16) if "norm" in name else \
-            torch.randn(shape, device=dev).mul_(0.02).bfloat16().cpu()
+        if name in given:
+            t = given[name]
+        elif "norm" in name:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = torch.randn(shape, device=_device()).mul_(0.02).bfloat16().cpu()
         cur[name] = t
         size += t.numel() * 2
         if size >= shard_bytes:
@@ -67,8 +100,10 @@ def _write_random(out: Path, shapes: dict[str, tuple[int, ...]], shard_bytes: in
 
 
 def random_checkpoints(root: Path, shape: str, block_size: int = 16) -> tuple[str, str]:
-    """A random Qwen3 target of ``shape`` and a DFlash drafter for it
-    (reused when already written)."""
+    """A random Qwen3 target of ``shape`` (its greedy continuation a fixed
+    permutation of the vocabulary: ``greedy_permutation_head``;
+    ``greedy_next.pt`` holds it) and a DFlash drafter for it (reused when
+    already written)."""
     from transformers import Qwen3Config
 
     from specray.training.model import default_taps, drafter_config
@@ -88,12 +123,15 @@ def random_checkpoints(root: Path, shape: str, block_size: int = 16) -> tuple[st
 
     L = cfg.num_hidden_layers
     taps = default_taps(L)
-    if not (tdir / "config.json").is_file():
+    # The marker: checkpoints written before the permutation head are redrawn.
+    if not (tdir / "greedy_next.pt").is_file():
         shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
         for i in range(L):
             shapes.update(layer(f"model.layers.{i}."))
-        _write_random(tdir, shapes)
+        head = greedy_permutation_head(V, H)
+        _write_random(tdir, shapes, given=head)
         cfg.to_json_file(str(tdir / "config.json"))
+        torch.save(head["perm"], tdir / "greedy_next.pt")
     if not (ddir / "config.json").is_file():
         dcfg = drafter_config(cfg, draft_layers, I, taps, block_size, V - 1)
         shapes = {"fc.weight": (H, len(taps) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}

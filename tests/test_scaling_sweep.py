@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,10 @@ def test_random_checkpoints_load_and_fit(tmp_path):
     target, drafter = sw.random_checkpoints(tmp_path, "tiny")
     out = LLM(target, drafter).generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 5
+    # the target's greedy continuation is its permutation: what oracle acceptance records and verifies
+    perm = torch.load(Path(target) / "greedy_next.pt").tolist()
+    tokens = [3] + out[0].token_ids
+    assert tokens[1:] == [perm[t] for t in tokens[:-1]]
     assert sw.random_checkpoints(tmp_path, "tiny") == (target, drafter)  # written once
     assert sw.gpus_needed(2, "separate", 2) == 6 and sw.gpus_needed(2, "colocated", 1) == 2
 

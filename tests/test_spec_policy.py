@@ -34,6 +34,18 @@ def test_policy_measures_both_kinds_then_picks_the_faster():
     assert not p.choose(1, "sampled")
 
 
+def test_one_slow_first_measurement_does_not_keep_speculation_off():
+    p = SpecPolicy(block_size=16)
+    p.observe(2, True, 0.0116, "greedy", 2.9)  # the first speculative step ran cold: 11.6 ms
+    p.observe(2, False, 0.00094, "greedy", None)
+    assert not p.choose(2, "greedy")
+    p.observe(2, True, 0.0016, "greedy", 2.9)  # the next probe finds what such a step costs
+    assert p.cost[(2, True)] == 0.0016
+    assert p.choose(2, "greedy")  # 2.9 tokens in 1.6 ms beat 1 in 0.94 ms
+    p.observe(2, True, 0.0024, "greedy", 2.9)  # ordinary noise is averaged, not taken whole
+    assert p.cost[(2, True)] == pytest.approx(0.8 * 0.0016 + 0.2 * 0.0024)
+
+
 def test_policy_probes_while_autoregressive():
     p = SpecPolicy(block_size=16)
     p.observe(4, True, 0.01, "greedy", 1.1)
