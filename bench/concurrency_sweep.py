@@ -93,9 +93,13 @@ def step_summary(engine, before: dict, secs: float) -> dict:
     after = step_counters(engine)
     d = {k: after[k] - before[k] for k in after}
     steps = engine.loop_steps
-    out = {"steps": steps, "wall_ms_per_step": round(1000 * secs / steps, 4) if steps else None,
-           "async_steps": d["async_steps"],
-           "async_gpu_ms_per_step": round(1000 * d["async_gpu_s"] / d["async_steps"], 4) if d["async_steps"] else None}
+    sync = steps - d["async_steps"]
+    per = lambda s, n: round(1000 * s / n, 4) if n else None  # noqa: E731
+    out = {"steps": steps, "wall_ms_per_step": per(secs, steps), "async_steps": d["async_steps"],
+           "async_wall_ms_per_step": per(d["async_wall_s"], d["async_steps"]),
+           "async_gpu_ms_per_step": per(d["async_gpu_s"], d["async_steps"]),
+           # the rest of the loop's time: synchronous steps (prefills, chain starts) and the loop itself
+           "other_steps": sync, "other_ms_per_step": per(secs - d["async_wall_s"], sync)}
     if "speculative_steps" in d:
         out |= {"speculative_steps": d["speculative_steps"], "autoregressive_steps": d["autoregressive_steps"],
                 "policy_step_ms": engine.policy.snapshot()["step_ms"]}

@@ -226,7 +226,7 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         t0 = time.perf_counter()
         self._observe_cycle(t0)
         if not self._inflight:
-            plan = self.scheduler.schedule()
+            plan = self._defer_decode(self.scheduler.schedule())
             if not self._async_eligible(plan):
                 return self._sync_step(plan, t0)
             self._inflight = self._start_lanes(self.lane_split([d.request for d in plan.decode]))
@@ -252,6 +252,25 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         self.async_wall_s += self.last_step.total
         return outputs
+
+    def _defer_decode(self, plan):
+        """A step that admits prompts while others decode runs the prompts
+        alone when those decode rows could run as step graphs: beside a
+        prefill they would verify their drafts in a synchronous step, which
+        costs several graphed steps and, under request churn (a closed
+        loop at c=16 admits a request every few steps), is a large share
+        of the steps. They wait one prefill, then rejoin the chain with the
+        new requests. A
+        prompt prefilled in chunks keeps its chunks beside the decode rows,
+        so a long prompt cannot stall them."""
+        if not (plan.prefill and plan.decode and self.drafter is not None) or plan.preempted:
+            return plan
+        if not all(p.is_last_chunk for p in plan.prefill):
+            return plan
+        if not self.async_capable([d.request for d in plan.decode]):
+            return plan
+        plan.decode = []
+        return plan
 
     def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
         stats = StepStats(len(plan.decode), sum(p.end - p.start for p in plan.prefill))

@@ -21,7 +21,8 @@ Both sides are measured, not assumed:
   mean over the engine's recent speculative steps, kept apart for greedy
   and sampled batches (their acceptance differs by half). While steps are
   autoregressive a speculative probe every ``PROBE_EVERY`` steps keeps it
-  current.
+  current, and while they speculate an autoregressive one every
+  ``AR_PROBE_EVERY`` steps keeps that cost current.
 
 Exactness does not depend on the choice: every step, of either kind, emits
 the target's tokens (greedy) or its distribution (sampled).
@@ -33,6 +34,9 @@ from dataclasses import dataclass, field
 
 ALPHA = 0.2  # weight of a new measurement in the moving means
 PROBE_EVERY = 16  # autoregressive steps between two speculative probes
+# Speculative steps between two autoregressive probes: rarer, since at
+# batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
+AR_PROBE_EVERY = 64
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
 
 
@@ -41,7 +45,8 @@ class SpecPolicy:
     block_size: int
     cost: dict[tuple[int, bool], float] = field(default_factory=dict)  # (padded batch, speculative) -> seconds
     emitted: dict[str, float] = field(default_factory=dict)  # sampling kind -> tokens a row emits per spec step
-    since_probe: int = 0
+    since_probe: int = 0  # autoregressive steps since the last speculative one
+    since_ar: int = 0  # speculative steps since the last autoregressive one
     choices: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
 
     def choose(self, n_padded: int, kind: str) -> bool:
@@ -49,6 +54,7 @@ class SpecPolicy:
         sampling ``kind`` ("greedy" or else) speculates."""
         spec = self._choose(n_padded, kind)
         self.since_probe = 0 if spec else self.since_probe + 1
+        self.since_ar = self.since_ar + 1 if spec else 0
         self.choices[spec] += 1
         return spec
 
@@ -60,6 +66,8 @@ class SpecPolicy:
             return False
         if self.since_probe >= PROBE_EVERY:
             return True
+        if self.since_ar >= AR_PROBE_EVERY:
+            return False  # keeps the autoregressive cost current (the batch's load changes it)
         tokens = self.emitted.get(_kind(kind), 1.0 + 0.5 * (self.block_size - 1))
         return tokens / t_spec > MARGIN / t_ar
 

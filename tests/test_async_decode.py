@@ -341,3 +341,28 @@ def test_chains_start_at_the_prefill(models, drafter):
     if drafter:
         row = eng._step_buffers[0]["history"][r.history_slot, : r.num_tokens].tolist()
         assert eng._inflight and row == r.all_token_ids
+
+
+def test_an_admission_beside_graphed_decode_rows_is_prefilled_alone(models):
+    """A prompt admitted while rows decode as step graphs is prefilled in a
+    step of its own (beside it those rows would verify synchronously); the
+    next step runs every row as a graph again, with the same tokens."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 2
+    eng = engine(models, True, True)
+    eng.add_request(ps[0], params[0], request_id="a")
+    for _ in range(3):  # prefill, then graphed steps
+        eng.step()
+    assert eng._inflight
+    eng.add_request(ps[1], params[1], request_id="b")
+    seen = []
+    while eng.has_unfinished():
+        async_before = eng.num_async_steps
+        outs = eng.step()
+        seen.append((eng.num_async_steps > async_before, sorted(o.request_id for o in outs if o.delta_token_ids)))
+    # the chain drains (a's in-flight step), then b's prompt alone (a emits nothing), then both as graphs
+    sync_steps = [ids for was_async, ids in seen if not was_async]
+    assert sync_steps == [["b"]]
+    want = run(engine(models, False, False), ps[:2], params)
+    again = run(engine(models, True, True), ps[:2], params, joins={1: 3})
+    assert [again[str(i)].token_ids for i in range(2)] == [want[str(i)].token_ids for i in range(2)]

@@ -10,7 +10,7 @@ import pytest
 from factories import make_models
 from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
-from specray.spec_policy import PROBE_EVERY, SpecPolicy
+from specray.spec_policy import AR_PROBE_EVERY, PROBE_EVERY, SpecPolicy
 
 PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]
 MAX_TOKENS = [30, 24, 17, 33, 20]
@@ -44,6 +44,17 @@ def test_one_slow_first_measurement_does_not_keep_speculation_off():
     assert p.choose(2, "greedy")  # 2.9 tokens in 1.6 ms beat 1 in 0.94 ms
     p.observe(2, True, 0.0024, "greedy", 2.9)  # ordinary noise is averaged, not taken whole
     assert p.cost[(2, True)] == pytest.approx(0.8 * 0.0016 + 0.2 * 0.0024)
+
+
+def test_policy_probes_autoregressive_steps_while_speculating():
+    p = SpecPolicy(block_size=16)
+    p.observe(16, True, 0.0027, "greedy", 2.9)
+    p.observe(16, False, 0.0023, "greedy", None)  # measured cold: an autoregressive step costs less
+    picks = [p.choose(16, "greedy") for _ in range(2 * AR_PROBE_EVERY + 2)]
+    assert picks.count(False) == 2 and not picks[AR_PROBE_EVERY] and not picks[2 * AR_PROBE_EVERY + 1]
+    # the probe finds the cheaper autoregressive step, and the policy follows it
+    p.observe(16, False, 0.0009, "greedy", None)
+    assert not p.choose(16, "greedy")
 
 
 def test_policy_probes_while_autoregressive():
