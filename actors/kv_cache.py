@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -94,10 +95,12 @@ class BlockTable:
 def block_table_tensor(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
     """Pad block tables with the reserved block 0 into ``[num_seqs, width]``."""
     width = max([len(t) for t in tables] + [1]) if width is None else width
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    # Filled in numpy: a tensor per row cost ~11 us a row, and a step at
+    # batch 64 builds two tables whenever a row crosses into a new block.
+    out = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+        out[i, : len(t)] = t
+    return torch.from_numpy(out)
 
 
 def allocate_kv_cache(
