@@ -394,9 +394,11 @@ class AsyncSteps:
         if any(p.timing is None for p in steps):  # a graph captured in it
             return
         p = steps[0]
-        tokens = [q.tokens_per_row for q in steps if q.tokens_per_row is not None]
+        counted = [q for q in steps if q.tokens_per_row is not None]
+        rows = sum(len(q.requests) for q in counted)
+        tokens = sum(q.tokens_per_row * len(q.requests) for q in counted) / rows if rows else None
         self.policy.observe(p.padded, p.spec, max(sum(q.gpu_seconds() for q in steps), now - start), p.mode,
-                            sum(tokens) / len(tokens) if tokens else None)
+                            tokens, rows)
 
     def _adaptive_unsupported(self) -> str | None:
         if self.drafter is None:

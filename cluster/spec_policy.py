@@ -32,7 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALPHA = 0.2  # weight of a new measurement in the moving means
+ALPHA = 0.2  # weight of a new step-time measurement in its moving mean
+# Weight of one row's emitted tokens in their moving mean (a step of n rows
+# weighs 1 - (1 - ROW_ALPHA)**n): a sampled row emits 1 token or many, so
+# at batch 1 a mean over single steps swung across the break-even point
+# and the policy fell back to autoregressive steps for 16 at a time.
+ROW_ALPHA = 0.02
 PROBE_EVERY = 16  # autoregressive steps between two speculative probes
 # Speculative steps between two autoregressive probes: rarer, since at
 # batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
@@ -71,9 +76,10 @@ class SpecPolicy:
         tokens = self.emitted.get(_kind(kind), 1.0 + 0.5 * (self.block_size - 1))
         return tokens / t_spec > MARGIN / t_ar
 
-    def observe(self, n_padded: int, spec: bool, seconds: float, kind: str, tokens_per_row: float | None) -> None:
-        """A finished step: its device time, and (speculative) the tokens
-        its rows emitted on average."""
+    def observe(self, n_padded: int, spec: bool, seconds: float, kind: str, tokens_per_row: float | None,
+                rows: int = 1) -> None:
+        """A finished step: its time, and (speculative) the tokens its
+        ``rows`` rows emitted on average."""
         if seconds > 0:
             key = (n_padded, spec)
             old = self.cost.get(key)
@@ -87,7 +93,8 @@ class SpecPolicy:
         if spec and tokens_per_row is not None:
             k = _kind(kind)
             old = self.emitted.get(k)
-            self.emitted[k] = tokens_per_row if old is None else (1 - ALPHA) * old + ALPHA * tokens_per_row
+            w = 1 - (1 - ROW_ALPHA) ** max(rows, 1)
+            self.emitted[k] = tokens_per_row if old is None else (1 - w) * old + w * tokens_per_row
 
     def snapshot(self) -> dict:
         return {"speculative_steps": self.choices[True], "autoregressive_steps": self.choices[False],

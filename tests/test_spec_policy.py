@@ -57,6 +57,25 @@ def test_policy_probes_autoregressive_steps_while_speculating():
     assert not p.choose(16, "greedy")
 
 
+def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
+    """A sampled row emits 1 token half the time and 2-4 otherwise (mean 2);
+    2 tokens in 1.43 ms beat 1 in 1.02 ms, so nearly every step speculates
+    (a mean over single steps dropped below break-even after a run of 1s)."""
+    import random
+
+    rng = random.Random(0)
+    p = SpecPolicy(block_size=16)
+    picks = []
+    for _ in range(3000):
+        spec = p.choose(1, "sampled")
+        picks.append(spec)
+        if spec:
+            p.observe(1, True, 0.00143, "sampled", 1 if rng.random() < 0.5 else rng.choice([2, 3, 4]), rows=1)
+        else:
+            p.observe(1, False, 0.00102, "sampled", None)
+    assert sum(picks[100:]) / len(picks[100:]) > 0.97  # the autoregressive probes: 1 in 65
+
+
 def test_policy_probes_while_autoregressive():
     p = SpecPolicy(block_size=16)
     p.observe(4, True, 0.01, "greedy", 1.1)
