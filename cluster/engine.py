@@ -80,6 +80,10 @@ def _token_ids(prompt) -> list[int]:
 
 
 class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
+    # Tests turn on prompts prefilled one a step (``lone_prefills``) on the
+    # CPU's padded graph path, where it only adds compute otherwise.
+    lone_prefills_off_cuda = False
+
     def __init__(
         self,
         config: EngineConfig,
@@ -226,7 +230,7 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         t0 = time.perf_counter()
         self._observe_cycle(t0)
         if not self._inflight:
-            plan = self._defer_decode(self.scheduler.schedule())
+            plan = self._shape_admission(self.scheduler.schedule())
             if not self._async_eligible(plan):
                 return self._sync_step(plan, t0)
             self._inflight = self._start_lanes(self.lane_split([d.request for d in plan.decode]))
@@ -253,24 +257,35 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         self.async_wall_s += self.last_step.total
         return outputs
 
-    def _defer_decode(self, plan):
+    def _shape_admission(self, plan):
         """A step that admits prompts while others decode runs the prompts
         alone when those decode rows could run as step graphs: beside a
         prefill they would verify their drafts in a synchronous step, which
         costs several graphed steps and, under request churn (a closed
         loop at c=16 admits a request every few steps), is a large share
-        of the steps. They wait one prefill, then rejoin the chain with the
-        new requests. A
-        prompt prefilled in chunks keeps its chunks beside the decode rows,
-        so a long prompt cannot stall them."""
-        if not (plan.prefill and plan.decode and self.drafter is not None) or plan.preempted:
+        of the steps. They wait, then rejoin the chain with the new
+        requests. And up to ``lone_prefills`` prompts admitted together are
+        prefilled one a step, each through a captured prefill graph (a step
+        of several prompts runs eagerly). A prompt prefilled in chunks
+        keeps its chunks beside the decode rows, so a long prompt cannot
+        stall them."""
+        if plan.preempted or not plan.prefill or not all(p.is_last_chunk for p in plan.prefill):
             return plan
-        if not all(p.is_last_chunk for p in plan.prefill):
-            return plan
-        if not self.async_capable([d.request for d in plan.decode]):
-            return plan
-        plan.decode = []
+        if plan.decode:
+            if self.drafter is None or not self.async_capable([d.request for d in plan.decode]):
+                return plan
+            plan.decode = []
+        if 1 < len(plan.prefill) <= self.config.lone_prefills and self._lone_prefill_graphs(plan.prefill):
+            plan.prefill = plan.prefill[:1]  # the others stay admitted: the next steps prefill them
         return plan
+
+    def _lone_prefill_graphs(self, items) -> bool:
+        """Whether each of these prompt chunks, alone in a step, runs as a
+        captured prefill graph (actors/target.py) rather than eagerly."""
+        graphs = getattr(getattr(self.target, "worker", self.target), "prefill_graphs", None)
+        if not graphs or (self.device.type != "cuda" and not self.lone_prefills_off_cuda):
+            return False
+        return all(p.end - p.start <= max(graphs) for p in items)
 
     def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
         stats = StepStats(len(plan.decode), sum(p.end - p.start for p in plan.prefill))

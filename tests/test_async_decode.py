@@ -366,3 +366,43 @@ def test_an_admission_beside_graphed_decode_rows_is_prefilled_alone(models):
     want = run(engine(models, False, False), ps[:2], params)
     again = run(engine(models, True, True), ps[:2], params, joins={1: 3})
     assert [again[str(i)].token_ids for i in range(2)] == [want[str(i)].token_ids for i in range(2)]
+
+
+def test_prompts_admitted_together_are_prefilled_one_a_step(models, monkeypatch):
+    """On a GPU up to ``lone_prefills`` prompts admitted at once are prefilled
+    one a step through the captured prefill graphs (here forced on the CPU's
+    padded path); tokens stay those of autoregressive decoding."""
+    from specray.engine import EngineCore
+
+    monkeypatch.setattr(EngineCore, "lone_prefills_off_cuda", True)
+    ps = prompts()
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 4
+    eng = engine(models, True, True)
+    eng.add_request(ps[0], params[0], request_id="a")
+    for _ in range(3):
+        eng.step()
+    for i, rid in ((1, "b"), (2, "c"), (4, "d")):
+        eng.add_request(ps[i], params[0], request_id=rid)
+    sync_steps, outs = [], {}
+    while eng.has_unfinished():
+        async_before = eng.num_async_steps
+        got = eng.step()
+        outs.update({o.request_id: o for o in got if o.finished})
+        if eng.num_async_steps == async_before:
+            sync_steps.append(sorted(o.request_id for o in got if o.delta_token_ids))
+    assert sync_steps == [["b"], ["c"], ["d"]]
+    want = run(engine(models, False, False), [ps[0], ps[1], ps[2], ps[4]], params)
+    assert [outs[r].token_ids for r in "abcd"] == [want[str(i)].token_ids for i in range(4)]
+    # off: one eager step of the three prompts
+    eng = engine(models, True, True, lone_prefills=0)
+    eng.add_request(ps[0], params[0], request_id="a")
+    for _ in range(3):
+        eng.step()
+    for i, rid in ((1, "b"), (2, "c"), (4, "d")):
+        eng.add_request(ps[i], params[0], request_id=rid)
+    for _ in range(10):  # a's chain drains, then the first synchronous step
+        async_before = eng.num_async_steps
+        got = eng.step()
+        if eng.num_async_steps == async_before:
+            break
+    assert sorted(o.request_id for o in got if o.delta_token_ids) == ["b", "c", "d"]
