@@ -18,7 +18,7 @@ Both sides are measured, not assumed:
   time was weighed), an exponentially weighted mean, each measured on
   first use by running that kind of step;
 * the tokens a speculative step emits per row, an exponentially weighted
-  mean over the engine's recent speculative steps, kept apart for greedy
+  mean over the engine's recent speculative rows, kept apart for greedy
   and sampled batches (their acceptance differs by half). While steps are
   autoregressive a speculative probe every ``PROBE_EVERY`` steps keeps it
   current, and while they speculate an autoregressive one every
