@@ -29,6 +29,7 @@ block's rows by a broadcast inside rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -45,6 +46,7 @@ from specray.actors.step_parts import (
     unpack_drafted,
 )
 from specray.draft_tree import TreeUniverse, accept_greedy, kv_moves, path_tokens, target_choices
+from specray.faults import DrafterLost, GroupLost, drafter_part
 from specray.kernels.ops import accept_advance, argmax, block_inputs, move_kv
 from specray.plan import AttentionMetadata
 from specray.sampling import verify
@@ -105,6 +107,18 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
     taps = target.tap_layer_ids if speculative else ()
     use_tree = tree is not None and speculative and speculate
 
+    @contextlib.contextmanager
+    def remote_part(what: str):
+        # TP followers replay this step too, waiting for rank 0's broadcast of
+        # the block: a step cut here leaves them inside their replay, so the
+        # group, not only the drafter, is lost.
+        try:
+            yield
+        except Exception as e:
+            if tp is not None:
+                raise GroupLost(f"the drafter failed ({what}) while TP followers replayed the step: {e}") from e
+            raise DrafterLost(f"the drafter failed in {what}: {e}") from e
+
     def step(n: int):
         start, last, real, budget = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n], bufs["budget"][:n]
         tables = bufs["target_tables"][:n]
@@ -115,10 +129,12 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         blk = block_inputs(start, last, budget, tables, d_tables, B, cfg.kv_block_size, cfg.mask_token_id)
         st = sampling_tensors(bufs, sampling, n, start, B)
         if local and speculate:
-            drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None, oracle)
+            with drafter_part("propose"):
+                drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None, oracle)
         elif remote is not None:
             got = drafted_buffers(n, B, use_tree, sampling != "greedy" and not use_tree, cfg.draft_top_k, dev)
-            remote.recv_raw(got)
+            with remote_part("receiving its proposal"):
+                remote.recv_raw(got)
             drafted = unpack_drafted(got, B)
         else:
             drafted = None
@@ -158,11 +174,13 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         if local:
             if row_kept is not None:  # each kept row's context goes to its depth's slot
                 context_slots = torch.where(row_kept, blk.draft_slots.gather(1, drafted.row_offsets()), 0)
-            drafter.model.store_context(hidden_tapped, positions.reshape(-1), context_slots.reshape(-1),
-                                        drafter.kv_cache)
+            with drafter_part("its context store"):
+                drafter.model.store_context(hidden_tapped, positions.reshape(-1), context_slots.reshape(-1),
+                                            drafter.kv_cache)
         elif remote is not None:
             kept = kept_rows(out[:, 0], B, row_kept)
-            remote.send_raw([torch.cat([out, kept.long()], 1), hidden_tapped])
+            with remote_part("sending it the acceptance"):
+                remote.send_raw([torch.cat([out, kept.long()], 1), hidden_tapped])
         return (out,)
 
     return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, sampling, cfg.max_seqs), cfg.max_seqs, dev)

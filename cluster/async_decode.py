@@ -30,12 +30,13 @@ two blocks, no room to reserve).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from specray.actors.kv_cache import block_table_tensor
-from specray.faults import fail_request, format_error
+from specray.faults import drafter_part, fail_request, format_error
 from specray.request import Request, RequestOutput
 from specray.sampling import SamplingTensors, any_filter, seed_keys
 from specray.staging import host_to_device
@@ -103,6 +104,13 @@ class HistorySlots:
             r.history_on_device = len(tokens)
             slots.append(r.history_slot)
         return torch.tensor(slots, dtype=torch.int64), torch.tensor([rows, cols, values], dtype=torch.int64)
+
+    def clear(self) -> None:
+        """The history buffer went with its graphs: no row holds anything."""
+        for r in self.owners:
+            if r is not None:
+                r.history_slot, r.history_on_device = None, 0
+        self.owners = [None] * len(self.owners)
 
 
 class ResultBuffers:
@@ -426,16 +434,26 @@ class AsyncSteps:
         word = StepWord(n, mode, self.tree is not None and spec, CHAINED if chained else FIRST,
                         spec, lane)
         for w in self._peers():
-            w.async_step(word, inputs)
+            with drafter_part("the step's word") if w is self.drafter else nullcontext():
+                w.async_step(word, inputs)
 
     def _peers(self) -> list:
-        """The workers in other processes that replay halves of step graphs."""
-        return [w for w in (self.target, self.drafter) if hasattr(w, "async_step")]
+        """The workers in other processes that replay halves of step graphs;
+        the drafter first, so that a lost one fails a step before the TP
+        followers are told to replay it."""
+        return [w for w in (self.drafter, self.target) if hasattr(w, "async_step")]
+
+    def forget_step_graph_state(self) -> None:
+        """The step graphs were dropped (a lost drafter): what the host knew
+        of their buffers goes with them."""
+        self.history_slots.clear()
+        self.uploaded_tables = [[], []]
 
     def begin_chain(self) -> None:
         for w in self._peers():
             if hasattr(w, "begin_chain"):
-                w.begin_chain()
+                with drafter_part("a chain's start") if w is self.drafter else nullcontext():
+                    w.begin_chain()
 
     def _can_chain(self, requests: list[Request]) -> bool:
         """Whether the steps after those in flight for ``requests`` may be

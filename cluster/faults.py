@@ -4,14 +4,16 @@ rebuild of a lost target group is ``group.py``).
 * **Drafter loss.** The drafter sits behind ``GuardedDrafter``: a propose
   that fails (a dead process, a channel timeout, an exception) raises
   ``DrafterLost`` before the step has changed anything, a failed context
-  store is recorded and swallowed. ``FaultHandler`` then steps without a
-  drafter (verify blocks of one row: autoregressive steps, whose tokens
-  are the target's as a speculative step's are), starts a new drafter
-  (``restart``), and once it is up re-seeds its context KV with the tapped
-  hidden states of every computed position of the running requests (a
-  target forward over their tokens whose K/V writes go to the reserved
-  slot 0: the target's own cache keeps the bits its decode steps wrote),
-  into the slots the scheduler's ``draft_blocks`` already name.
+  store is recorded and swallowed; inside a step graph the drafter's parts
+  raise ``DrafterLost`` too (``drafter_part``). ``FaultHandler`` then
+  steps without a drafter (verify blocks of one row: autoregressive
+  steps, whose tokens are the target's as a speculative step's are),
+  starts a new drafter (``restart``), and once it is up re-seeds its
+  context KV with the tapped hidden states of every computed position of
+  the running requests (a target forward over their tokens whose K/V
+  writes go to the reserved slot 0: the target's own cache keeps the bits
+  its decode steps wrote), into the slots the scheduler's
+  ``draft_blocks`` already name.
 * **One bad request.** An exception in a request's own host code (append,
   detokenize, stop strings) fails that request in ``EngineCore._apply``
   (``fail_request``). Any other exception of a step (and non-finite
@@ -29,6 +31,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +59,21 @@ class GroupLost(RuntimeError):
 
 class NonFiniteLogits(RuntimeError):
     """The target's logits hold NaN or infinity."""
+
+
+@contextmanager
+def drafter_part(what: str):
+    """The drafter's part of a step graph (its propose, its context store,
+    the exchange with a drafter in another process): a failure there is the
+    drafter's loss, which the step survives without it, not a failed step,
+    which would be retried on halves of the batch (and, the drafter failing
+    again in each, fail every request)."""
+    try:
+        yield
+    except DrafterLost:
+        raise
+    except Exception as e:
+        raise DrafterLost(f"the drafter failed in {what}: {e}") from e
 
 
 def is_group_failure(e: BaseException) -> bool:
@@ -386,6 +404,7 @@ class FaultHandler:
         engine.drafter = None
         engine._inflight = None
         engine._step_graphs.clear()  # they hold the lost drafter
+        engine.forget_step_graph_state()  # what the host knew of their buffers
         engine.scheduler.block_size = 1
         engine.config.async_scheduling = False  # step graphs need a drafter in this process
         now = time.monotonic()

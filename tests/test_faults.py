@@ -180,6 +180,48 @@ def test_a_patch_on_the_guarded_drafter_runs_inside_the_guard(models, want):
     assert all(o.metrics.num_draft_tokens for o in llm.generate(PROMPTS, GREEDY))
 
 
+ASYNC = dict(cuda_graphs=True, async_scheduling=True, adaptive_speculation=False)  # every decode step a step graph
+
+
+@pytest.mark.parametrize("part", ["propose_hidden", "store_context"])
+@pytest.mark.parametrize("every_drafter", [False, True])
+def test_a_drafter_failing_inside_async_step_graphs_is_lost_not_the_step(models, want, part, every_drafter,
+                                                                         monkeypatch):
+    """Async step graphs (the GPU default) run the drafter's propose and
+    context store inside the step: its failure there is a drafter loss
+    (steps go on autoregressively, a new drafter is re-seeded), not a
+    failed step, whose retries on halves of the batch would meet the same
+    drafter in each and fail every request. ``every_drafter``: the new ones
+    fail too, and the engine gives up on drafting."""
+    from specray.actors.models.dflash import DFlashDrafter
+
+    llm = LLM(models / "t", models / "d", **KW, **ASYNC)
+    llm._faults.max_restarts = 2
+    first = llm.engine.drafter.inner.model
+    orig, calls = getattr(DFlashDrafter, part), []
+
+    def failing(self, *a, **k):
+        calls.append(llm.engine.num_async_steps)
+        if (every_drafter or self is first) and llm.engine.num_async_steps >= 3:
+            raise RuntimeError("injected drafter failure")
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(DFlashDrafter, part, failing)
+    got = llm.generate(PROMPTS, GREEDY, errors="return")
+    assert [o.finish_reason for o in got] == ["length"] * len(PROMPTS)
+    assert [o.token_ids for o in got] == want
+    state = llm._faults.drafter
+    assert "injected drafter failure" in state.error
+    if every_drafter:
+        assert (state.state, state.losses) == ("failed", 3)
+        return
+    assert (state.state, state.losses, state.restarts) == ("up", 1, 1) and state.reseeded > 0
+    steps = llm.engine.num_async_steps
+    later = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in later] == want and all(o.metrics.num_draft_tokens for o in later)
+    assert llm.engine.num_async_steps > steps  # the new drafter runs inside step graphs again
+
+
 def loop_for(models, **kw) -> EngineLoop:
     engine = build_engine(EngineConfig(target=str(models / "t"), drafter=str(models / "d"), **{**KW, **kw}))
     return EngineLoop(engine)

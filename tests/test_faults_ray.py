@@ -114,21 +114,24 @@ def check_speculation_resumed(llm, ref):
     assert sum(steps) / len(steps) > 1.0
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang", "raise"])
+@pytest.mark.parametrize("fault", ["kill", "hang", "raise", "kill-async"])
 def test_separate_drafter_lost_mid_generate(cluster, fault):
     """The drafter actor's process SIGKILLed, stuck in propose (the channel
     times out), or raising: generate finishes with the tokens of a run
     without the fault; a new drafter actor is started, re-seeded with the
-    context of the requests still running, and drafts again."""
+    context of the requests still running, and drafts again. "kill-async":
+    the kill lands in a chain of async step graphs (the GPU default), whose
+    exchange with the drafter fails inside rank 0's step."""
     root = cluster
-    llm = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate", **KW)
+    steps = dict(cuda_graphs=True, async_scheduling=True) if fault.endswith("async") else {}
+    llm = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate", **KW, **steps)
     try:
         ref = reference(llm)
         pace_while_drafter_down(llm)
         drafter = llm._core.actors.drafter
 
         def fault_now():
-            if fault == "kill":
+            if fault.startswith("kill"):
                 os.kill(pid_of(drafter), signal.SIGKILL)
                 return
 
