@@ -222,6 +222,16 @@ class CupyNcclChannel:
     def wait_sends(self) -> None:
         pass  # NCCL sends are ordered on the stream
 
+    def abort(self) -> None:
+        """End the communicator with its operations in flight: queued sends
+        and receives return (received buffers hold whatever was there), so
+        a stream waiting on a peer that is gone moves on. NCCL's waits have
+        no timeout; rank 0 calls this past its own (step_wait.py). The
+        channel is unusable afterwards."""
+        if self.comm is not None:
+            comm, self.comm = self.comm, None
+            comm.abort()
+
 
 class SplitChannel:
     """A message's header over ``host`` (a TorchP2PChannel of CPU tensors),
@@ -237,6 +247,12 @@ class SplitChannel:
     @property
     def control(self) -> TorchP2PChannel:
         return self.host
+
+    @property
+    def data_abort(self):
+        """Where the tensors travel over NCCL, which has no timeout: what
+        ends its operations in flight; None over gloo (its waits time out)."""
+        return getattr(self.data, "abort", None)
 
     def recv_header(self) -> tuple[int, list[torch.Tensor]]:
         return self.host.recv_header()

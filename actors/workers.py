@@ -155,6 +155,12 @@ class RemoteDrafter:
         """What rank 0's step graph exchanges the proposal and the results over."""
         return self.channel
 
+    @property
+    def data_abort(self):
+        """Set where the tensors travel over NCCL (no timeout): rank 0 then
+        bounds its waits for step results (step_wait.py)."""
+        return getattr(self.channel, "data_abort", None)
+
     def async_step(self, word: StepWord, inputs: dict) -> None:
         """Before rank 0 replays a step graph: the drafter replays its half
         (which first takes the lane's previous step's results, if chained)."""

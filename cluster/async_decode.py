@@ -55,16 +55,22 @@ class InflightStep:
     padded: int = 0  # the batch size its graph ran at
     mode: str = "greedy"
     tokens_per_row: float | None = None  # a speculative step's, once applied
+    captured: bool = False  # its launch captured its graph (its wait may include the drafter's capture)
 
     def gpu_seconds(self) -> float:
         if isinstance(self.timing, tuple):
             return self.timing[0].elapsed_time(self.timing[1]) / 1000
         return self.timing or 0.0
 
+    def wait(self, wait=None) -> None:
+        """Until the results are on the host; ``wait(event)`` in place of a
+        plain sync (``step_wait.result_wait``)."""
+        if self.ready is not None:
+            self.ready.synchronize() if wait is None else wait(self.ready)
+
     def read(self) -> list[tuple[int, int, bool, list[int]]]:
         """Per row: (num_accepted, bonus, drafted by lookup, drafts)."""
-        if self.ready is not None:
-            self.ready.synchronize()
+        self.wait()
         return [(r[0], r[1], bool(r[2]), r[3:]) for r in self.results.tolist()]
 
 
@@ -268,7 +274,8 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
         results, ready = core.result_buffers.fetch(out)
     else:
         results, ready = out.clone(), None
-    return InflightStep(list(requests), results, ready, lane, timing, spec, graphs.padded(len(requests)), mode)
+    return InflightStep(list(requests), results, ready, lane, timing, spec, graphs.padded(len(requests)), mode,
+                        captured=fresh)
 
 
 class AsyncSteps:

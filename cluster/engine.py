@@ -46,6 +46,7 @@ from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device
 from specray.scheduler import Scheduler
 from specray.spec_policy import SpecPolicy
+from specray.step_wait import result_wait
 from specray.step_batch import StepBatches
 from specray.step_rows import VerifyRows
 from specray.sync_accept import SyncAccept
@@ -244,6 +245,10 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
             if chained else []
         if not chained:
             self._join_lanes()
+        for p in prev:  # a bounded wait (NCCL) reads every lane before any is applied: a lost drafter drops all
+            wait = result_wait(self, p.captured)
+            if wait is not None:
+                p.wait(wait)
         outputs = [o for p in prev for o in self._apply_inflight(p, chained=chained)]
         self.async_gpu_s += sum(p.gpu_seconds() for p in prev)
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
@@ -347,7 +352,7 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         # Prompts that finished here may start their chain of asynchronous
         # steps now, from their first tokens on the device (async_decode.py).
         chain = chain_from_prefill(self, plan, accepted.first_tokens) if accepted.first_tokens is not None else None
-        results = accepted.read()
+        results = accepted.read(result_wait(self))
         if lookup is not None:
             self._count_lookups(decode, lookup, results[2])
         logprobs = self._read_logprobs(logprob_rows, decode, plan.prefill, results) if logprob_rows else {}

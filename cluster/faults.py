@@ -394,10 +394,15 @@ class FaultHandler:
             sched.waiting = deque(list(sched.waiting) + parked_waiting)
 
     # ----------------------------------------------------- the drafter's life
-    def _lose(self, error: str) -> None:
-        """Step without the drafter from now on, and start a new one."""
+    def _lose(self, error: str, drafter=None) -> None:
+        """Step without the drafter (``drafter``: a new one not installed
+        yet) from now on, and start a new one."""
+        from specray.step_wait import abort_lost_drafter
+
         engine = self.engine
         log.error("drafter lost; decoding without it until a new one is up:\n%s", error)
+        # Its NCCL exchanges still queued would hold the stream forever.
+        abort_lost_drafter(engine, engine.drafter if drafter is None else drafter)
         self.drafter.losses += 1
         self.drafter.error = error
         self.drafter.since = time.monotonic()
@@ -457,10 +462,10 @@ class FaultHandler:
         except Exception as e:
             if is_group_failure(e):
                 raise GroupLost(str(e)) from e
-            self._lose(f"re-seeding the new drafter failed:\n{format_error(e)}")
+            self._lose(f"re-seeding the new drafter failed:\n{format_error(e)}", guard)
             return []
         if guard.lost is not None:
-            self._lose(f"the new drafter failed while re-seeded:\n{guard.lost}")
+            self._lose(f"the new drafter failed while re-seeded:\n{guard.lost}", guard)
             return []
         if engine.tree is not None:
             guard.tree = engine.tree

@@ -25,9 +25,10 @@ class AcceptedOnDevice:
     tree: bool = False  # draft trees: the drafts are the accepted paths', their block rows follow
     path_rows: list[list[int]] | None = None  # set by read() for trees
 
-    def read(self) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    def read(self, wait=None) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+        """``wait(event)`` in place of a plain sync (``step_wait.result_wait``)."""
         if self.ready is not None:
-            self.ready.synchronize()
+            self.ready.synchronize() if wait is None else wait(self.ready)
         host, S, G = self.host.tolist(), self.S, self.G
         drafts = host[2 * S : 2 * S + S * G]
         end = 2 * S + S * G
