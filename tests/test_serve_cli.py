@@ -69,3 +69,52 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
     with pytest.raises(urllib.error.URLError) as gone:  # the server is gone: refused, not an HTTP error
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
     assert not isinstance(gone.value, urllib.error.HTTPError), gone.value
+
+
+def test_direct_ingress_serves_on_the_port_from_the_replica(tmp_path):
+    """--direct-ingress: the replica's own HTTP server answers on --port
+    (streamed and plain requests, a client gone mid-stream), not Serve's
+    proxy, which moves to a port of its own."""
+    from specray.serve_process import ServerProcess
+
+    hf = make_target(tmp_path / "t", seed=2)
+    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
+    make_drafter(tmp_path / "d", hf.config, seed=12, block_size=8)
+    server = ServerProcess(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--direct-ingress",
+                            "--num-kv-blocks", "64", "--kv-block-size", "8", "--max-model-len", "256",
+                            "--max-num-seqs", "4", "--max-queued", "4", "--model-name", "tiny"])
+    try:
+        assert server.start(300)["id"] == "tiny"
+        deadline = time.monotonic() + 120  # the replica answers before `serve.run` returns and the line is printed
+        while "direct ingress" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "HTTP served by the replica itself (direct ingress)" in server.log_tail()
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                "temperature": 0, "stream": True}
+
+        def post(b):
+            return urllib.request.urlopen(urllib.request.Request(
+                f"{server.url}/v1/chat/completions", data=json.dumps(b).encode(),
+                headers={"Content-Type": "application/json"}), timeout=60)
+
+        with post(body) as resp:  # a client that leaves after the first chunk
+            assert resp.readline().startswith(b"data: ")
+        with post(body) as resp:
+            events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        with post(dict(body, stream=False)) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 8
+        psutil = pytest.importorskip("psutil")
+        owners = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == server.port and
+                  c.status == psutil.CONN_LISTEN]
+        if owners and owners[0] is not None:
+            assert "ServeReplica" in " ".join(psutil.Process(owners[0]).cmdline())
+    finally:
+        server.close()
+
+
+def test_direct_ingress_refuses_several_replicas():
+    out = subprocess.run([sys.executable, "-m", "specray.cli", "serve", "--direct-ingress", "--num-replicas", "2",
+                          "--target", "/nonexistent"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
+    assert out.returncode == 2 and "--direct-ingress serves one replica" in out.stderr, out.stderr

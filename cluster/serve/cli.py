@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued", type=int, default=64,
                    help="requests admitted beyond --max-num-seqs per replica; more get HTTP 429")
     s.add_argument("--num-replicas", type=int, default=1)
+    s.add_argument("--direct-ingress", action="store_true",
+                   help="the replica serves HTTP on --port itself, without Serve's proxy in between (one replica, "
+                        "a Ray this command starts; Ray Serve's experimental direct ingress)")
     s.add_argument("--app-name", default="specray")
     s.add_argument("--sample-request", action="store_true",
                    help=f"after startup, ask {' and '.join(map(repr, SAMPLE_QUESTIONS))} and print the answers "
@@ -72,6 +75,32 @@ def _start_ray(host: str):
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
              include_dashboard=False, namespace="serve", logging_level="WARNING", log_to_driver=False)
     return True
+
+
+def direct_ingress_refused(args) -> str | None:
+    """Why ``--direct-ingress`` cannot run with these arguments, or None."""
+    if args.num_replicas != 1:
+        return f"serves one replica on --port; got --num-replicas {args.num_replicas}"
+    if os.environ.get("RAY_ADDRESS"):
+        return "needs the Ray this command starts (RAY_ADDRESS is set: that cluster's Serve runs as it was started)"
+    return None
+
+
+def direct_ingress_environment(host: str, port: int) -> int:
+    """Before Ray starts (its processes read these at start-up): the
+    replica's own HTTP server on ``port``, the one port Serve may give it.
+    Serve still runs its proxy (gRPC, and HTTP on a free port returned
+    here). The proxy's hop (the request to the replica and every streamed
+    chunk back through a Ray call) cost 5-8 ms of time to first token on
+    the development CPU (results/cpu_direct_ingress.json)."""
+    import socket
+
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(port)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(port + 1)  # exclusive
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _ray_logs_dir() -> str | None:
@@ -159,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specray serve: error: {e}", file=sys.stderr)
         return 2
 
+    proxy_port = args.port
+    if args.direct_ingress:
+        why = direct_ingress_refused(args)
+        if why:
+            print(f"specray serve: error: --direct-ingress {why}", file=sys.stderr)
+            return 2
+        proxy_port = direct_ingress_environment(args.host, args.port)
     print("specray: starting Ray and the Serve app", flush=True)
     started_ray = _start_ray(args.host)
     import ray
@@ -184,13 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         t = time.perf_counter()
-        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc_options)
+        serve.start(http_options={"host": args.host, "port": proxy_port}, grpc_options=grpc_options)
         serve.run(application, name=args.app_name, route_prefix="/")
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         base_url = f"http://{host}:{args.port}"
         print(f"specray: serving {settings.model_name!r} (target {target}, drafter {drafter or 'none'}) "
               f"ready in {time.perf_counter() - t:.1f} s", flush=True)
         print(f"specray: OpenAI API at {base_url}/v1  (health: {base_url}/health)", flush=True)
+        if args.direct_ingress:
+            print(f"specray: HTTP served by the replica itself (direct ingress); Serve's proxy at {host}:{proxy_port}",
+                  flush=True)
         if args.grpc_port:
             print(f"specray: gRPC specray.v1.SpecRay at {host}:{args.grpc_port}", flush=True)
         metrics = _metrics_url()

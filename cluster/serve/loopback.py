@@ -47,7 +47,13 @@ def proxy_callback() -> list:
     from specray.serve import proxy_cancel
 
     proxy_cancel.install()
-    host = grpc_host()
+    bind_grpc_servers(grpc_host())
+    return []
+
+
+def bind_grpc_servers(host: str) -> None:
+    """Serve's gRPC servers of this process (the proxy's; a replica's own,
+    under direct ingress) listen on ``host`` instead of ``[::]``."""
     try:
         from ray.serve._private import default_impl
 
@@ -62,8 +68,7 @@ def proxy_callback() -> list:
         add_grpc_address.__wrapped__ = original
         default_impl.add_grpc_address = add_grpc_address
     except (ImportError, AttributeError) as e:
-        log.warning("specray: cannot bind Serve's gRPC proxy to %s (%s); it listens on all interfaces", host, e)
-    return []
+        log.warning("specray: cannot bind Serve's gRPC server to %s (%s); it listens on all interfaces", host, e)
 
 
 def bind_replica_server_to_node_ip() -> None:
@@ -89,6 +94,7 @@ def bind_replica_server_to_node_ip() -> None:
         replica.add_port_to_grpc_server = add_port_to_grpc_server
     except (ImportError, AttributeError) as e:
         log.warning("specray: cannot bind the replica's gRPC server to loopback (%s)", e)
+    bind_grpc_servers(grpc_host())  # its own gRPC server under direct ingress (``specray serve --direct-ingress``)
 
 
 def environment(host: str = "127.0.0.1") -> dict:
