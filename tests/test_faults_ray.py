@@ -127,6 +127,7 @@ def test_separate_drafter_lost_mid_generate(cluster, fault):
     llm = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate", **KW, **steps)
     try:
         ref = reference(llm)
+        assert bool(steps) == (llm.stats()["num_async_steps"] > 0)
         pace_while_drafter_down(llm)
         drafter = llm._core.actors.drafter
 
@@ -190,16 +191,21 @@ def test_colocated_drafter_that_raises(cluster):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [0, 1, "1-async"])
 def test_target_rank_killed_mid_generate(cluster, victim):
     """A target rank's process SIGKILLed (rank 0, or a follower of a TP 2
-    group): the generate call fails with EngineUnavailable within 5 s, the
-    group is rebuilt (new actors, new placement group), the next call is
-    served, and no actor of the old group is left alive."""
+    group, also while it replays async step graphs): the generate call
+    fails with EngineUnavailable within 5 s, the group is rebuilt (new
+    actors, new placement group), the next call is served, and no actor of
+    the old group is left alive."""
     root = cluster
-    llm = LLM(root / "t", root / "d", backend="ray", tensor_parallel_size=2, drafter_placement="separate", **KW)
+    steps = dict(cuda_graphs=True, async_scheduling=True) if victim == "1-async" else {}
+    victim = int(str(victim)[0])
+    llm = LLM(root / "t", root / "d", backend="ray", tensor_parallel_size=2, drafter_placement="separate", **KW,
+              **steps)
     try:
         ref = reference(llm, ["short"])
+        assert bool(steps) == (llm.stats()["num_async_steps"] > 0)
         old = llm._core.actors
         old_ids = [a._actor_id.hex() for a in old.ranks + [old.drafter]]
         old_pg = old.placement_group.id.hex()
