@@ -74,7 +74,8 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
 def test_direct_ingress_serves_on_the_port_from_the_replica(tmp_path):
     """--direct-ingress: the replica's own HTTP server answers on --port
     (streamed and plain requests, a client gone mid-stream), not Serve's
-    proxy, which moves to a port of its own."""
+    proxy, which moves to a port of its own; a replica killed is replaced
+    on the same port."""
     from specray.serve_process import ServerProcess
 
     hf = make_target(tmp_path / "t", seed=2)
@@ -105,12 +106,25 @@ def test_direct_ingress_serves_on_the_port_from_the_replica(tmp_path):
         with post(dict(body, stream=False)) as resp:
             assert json.loads(resp.read())["usage"]["completion_tokens"] == 8
         psutil = pytest.importorskip("psutil")
-        owners = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == server.port and
-                  c.status == psutil.CONN_LISTEN]
-        if owners and owners[0] is not None:
-            assert "ServeReplica" in " ".join(psutil.Process(owners[0]).cmdline())
+        replica = listener(psutil, server.port)
+        assert "ServeReplica" in " ".join(psutil.Process(replica).cmdline())
+        # A replica lost: the one Serve starts in its place serves the same port.
+        os.kill(replica, signal.SIGKILL)
+        # Well inside the 150 s Serve would hold the port back (its quarantine, which --direct-ingress turns off).
+        deadline = time.monotonic() + 100
+        while (listener(psutil, server.port) in (None, replica)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert listener(psutil, server.port) not in (None, replica), server.log_tail()
+        with post(dict(body, stream=False)) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 8
     finally:
         server.close()
+
+
+def listener(psutil, port: int) -> int | None:
+    """The pid listening on ``port`` on this machine."""
+    pids = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == psutil.CONN_LISTEN]
+    return pids[0] if pids else None
 
 
 def test_direct_ingress_refuses_several_replicas():

@@ -98,6 +98,9 @@ def direct_ingress_environment(host: str, port: int) -> int:
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(port)
     os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(port + 1)  # exclusive
+    # A released port is held back for Serve's HAProxy mode (none here): the
+    # replica Serve starts in place of a lost one must take the same port.
+    os.environ["RAY_SERVE_PORT_QUARANTINE_S"] = "0"
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
