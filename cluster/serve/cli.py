@@ -91,7 +91,7 @@ def direct_ingress_environment(host: str, port: int) -> int:
     replica's own HTTP server on ``port``, the one port Serve may give it.
     Serve still runs its proxy (gRPC, and HTTP on a free port returned
     here). The proxy's hop (the request to the replica and every streamed
-    chunk back through a Ray call) cost 5-8 ms of time to first token on
+    chunk back through a Ray call) cost 5-10 ms of time to first token on
     the development CPU (results/cpu_direct_ingress.json)."""
     import socket
 
