@@ -113,11 +113,12 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         # the block: a step cut here leaves them inside their replay, so the
         # group, not only the drafter, is lost.
         try:
-            yield
-        except Exception as e:
-            if tp is not None:
-                raise GroupLost(f"the drafter failed ({what}) while TP followers replayed the step: {e}") from e
-            raise DrafterLost(f"the drafter failed in {what}: {e}") from e
+            with drafter_part(what):
+                yield
+        except DrafterLost as e:
+            if tp is None:
+                raise
+            raise GroupLost(f"{e}, while TP followers replayed the step") from e
 
     def step(n: int):
         start, last, real, budget = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n], bufs["budget"][:n]

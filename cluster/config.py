@@ -388,7 +388,7 @@ class EngineConfig:
     overlap: bool | None = None
     overlap_min_batch: int = 16
     # Up to this many prompts admitted together (while decoding rows wait:
-    # EngineCore._defer_decode) are prefilled one a step, each through a
+    # EngineCore._shape_admission) are prefilled one a step, each through a
     # captured prefill graph, rather than in one eager step of several
     # prompts (on the H200 an eager prompt forward cost ~12 ms of host for
     # ~1 ms of GPU). 0: off. GPUs only: off CUDA the graphs' padding is
