@@ -18,32 +18,30 @@ Ray actor group in the distributed backend.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import operator
 import random
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
 
 from specray.actors.kv_cache import BlockAllocator
-from specray.async_decode import AsyncSteps, HistorySlots, InflightStep, ResultBuffers, chain_from_prefill, launch_decode
+from specray.async_decode import AsyncSteps, InflightStep, chain_from_prefill, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import (
     detokenize_step,
     find_stop_string,
-    init_detokenizer,
     max_prompt_chars,
     stop_holdback,
 )
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
 from specray.faults import fail_request, format_error
-from specray.request import Request, RequestOutput, check_prompt_length
+from specray.intake import RequestIntake
+from specray.request import Request, RequestOutput
 from specray.prompt_lookup import merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device
+from specray.step_buffers import HistorySlots, ResultBuffers
 from specray.scheduler import Scheduler
 from specray.spec_policy import SpecPolicy
 from specray.step_wait import result_wait
@@ -63,24 +61,7 @@ class StepStats:
     verify: float = 0.0
 
 
-def _token_ids(prompt) -> list[int]:
-    """A token-id prompt as ints: integers only (numpy's too); 1.7, "1" or
-    True are no token ids."""
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-    ids = []
-    for i, t in enumerate(prompt):
-        try:
-            if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:  # a bool tensor has __index__
-                raise TypeError
-            ids.append(operator.index(t))
-        except TypeError:
-            raise ValueError(f"prompt token ids must be integers, got {t!r} at index {i}") from None
-    return ids
-
-
-
-class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
+class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps):
     # Tests turn on prompts prefilled one a step (``lone_prefills``) on the
     # CPU's padded graph path, where it only adds compute otherwise.
     lone_prefills_off_cuda = False
@@ -165,56 +146,9 @@ class EngineCore(StepBatches, VerifyRows, SyncAccept, AsyncSteps):
         self.admit(req)
         return req.request_id
 
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> Request:
-        """Validate and tokenize without touching engine state (safe to call
-        from another thread than the one stepping)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        # The request keeps its own copy, validated again: a caller may reuse
-        # and change its object for the next request, and a field made
-        # invalid after construction must be refused here, not fail a step
-        # that every request in flight shares.
-        params = dataclasses.replace(params)
-        request_id = request_id or uuid.uuid4().hex
-        prompt_text, ids = self._tokenize(prompt)
-        check_prompt_length(ids, self.max_model_len, self.max_prompt_chars)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id, prompt_text, ids, params, seed, self.target_spec.eos_token_ids)
-        init_detokenizer(req)
-        return req
-
     def admit(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.scheduler.add(req)
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("the target checkpoint ships no tokenizer: pass token ids as the prompt")
-            check_prompt_length(prompt, self.max_model_len, self.max_prompt_chars)
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompt is not valid Unicode text ({e.reason} at character {e.start})") from None
-            with self._encoder_lock:
-                ids = self._encoder.encode(prompt, add_special_tokens=True)
-            text = prompt
-        else:
-            ids = _token_ids(prompt)
-            text = None
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.target_spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return text, ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)

@@ -114,7 +114,7 @@ class Request:
     deadline: float | None = None
     timeout_s: float | None = None
     # Its row of the async step graphs' token history, and how many of its
-    # tokens that row holds for sure (async_decode.HistorySlots).
+    # tokens that row holds for sure (step_buffers.HistorySlots).
     history_slot: int | None = None
     history_on_device: int = 0
     # Detokenizer state (see detokenizer.py).

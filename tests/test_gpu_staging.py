@@ -5,7 +5,7 @@ were given, while the host reuses the same pinned memory."""
 import pytest
 import torch
 
-from specray.async_decode import ResultBuffers
+from specray.step_buffers import ResultBuffers
 from specray.staging import PinnedRing, host_to_device
 
 pytestmark = pytest.mark.gpu
