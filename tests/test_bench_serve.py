@@ -189,6 +189,8 @@ def test_bench_serve_end_to_end_on_the_embedded_pair(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert report["note"] == "test" and report["machine"]["cpu_count"] >= 1 and not report["failures"]
     assert report["command"].startswith("specray bench serve --limit 3")
+    served = [e for e in report["engines"] if e["path"] == "http"]  # the default path: the replica serves HTTP
+    assert [e["model"]["specray"]["http_ingress"] for e in served] == ["direct"], served
     points = {(p["path"], p["concurrency"]): p for p in report["points"]}
     assert set(points) == {(path, c) for path in ("http", "inprocess") for c in (1, 2)}
     for p in points.values():

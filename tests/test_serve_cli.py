@@ -49,11 +49,13 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
         assert "sample A:" in out and "mean acceptance length" in out and "/metrics" in out
         assert out.count("sample Q:") == 2 and "why the sky is blue" in out and " tok/s " in out
         assert "INFO" not in out and "(ServeController" not in out  # Ray's own logs stay in its files
+        assert "HTTP served by the replica itself (direct ingress)" in out  # the default, one replica
         # still serving, with the key from SPECRAY_API_KEY
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
                                      headers={"Authorization": "Bearer cli-key"})
         with urllib.request.urlopen(req, timeout=30) as resp:
-            assert json.loads(resp.read())["data"][0]["id"] == "tiny"
+            card = json.loads(resp.read())["data"][0]
+        assert card["id"] == "tiny" and card["specray"]["http_ingress"] == "direct"
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, rest[-4000:]
@@ -72,20 +74,21 @@ def test_specray_serve_sample_request_and_ctrl_c(tmp_path):
 
 
 def test_direct_ingress_serves_on_the_port_from_the_replica(tmp_path):
-    """--direct-ingress: the replica's own HTTP server answers on --port
-    (streamed and plain requests, a client gone mid-stream), not Serve's
-    proxy, which moves to a port of its own; a replica killed is replaced
-    on the same port."""
+    """Direct ingress (the default with one replica): the replica's own HTTP
+    server answers on --port (streamed and plain requests, a client gone
+    mid-stream), not Serve's proxy, which moves to a port of its own; a
+    replica killed is replaced on the same port."""
     from specray.serve_process import ServerProcess
 
     hf = make_target(tmp_path / "t", seed=2)
     add_tokenizer(tmp_path / "t", hf.config.vocab_size)
     make_drafter(tmp_path / "d", hf.config, seed=12, block_size=8)
-    server = ServerProcess(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--direct-ingress",
+    server = ServerProcess(["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
                             "--num-kv-blocks", "64", "--kv-block-size", "8", "--max-model-len", "256",
                             "--max-num-seqs", "4", "--max-queued", "4", "--model-name", "tiny"])
     try:
-        assert server.start(300)["id"] == "tiny"
+        card = server.start(300)
+        assert card["id"] == "tiny" and card["specray"]["http_ingress"] == "direct"
         deadline = time.monotonic() + 120  # the replica answers before `serve.run` returns and the line is printed
         while "direct ingress" not in server.log_tail() and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -110,7 +113,7 @@ def test_direct_ingress_serves_on_the_port_from_the_replica(tmp_path):
         assert "ServeReplica" in " ".join(psutil.Process(replica).cmdline())
         # A replica lost: the one Serve starts in its place serves the same port.
         os.kill(replica, signal.SIGKILL)
-        # Well inside the 150 s Serve would hold the port back (its quarantine, which --direct-ingress turns off).
+        # Well inside the 150 s Serve would hold the port back (its quarantine, which direct ingress turns off).
         deadline = time.monotonic() + 100
         while (listener(psutil, server.port) in (None, replica)) and time.monotonic() < deadline:
             time.sleep(1)
@@ -127,8 +130,60 @@ def listener(psutil, port: int) -> int | None:
     return pids[0] if pids else None
 
 
+def test_no_direct_ingress_serves_through_the_proxy(tmp_path):
+    """--no-direct-ingress: Serve's proxy serves --port."""
+    from specray.serve_process import ServerProcess
+
+    hf = make_target(tmp_path / "t", seed=2)
+    add_tokenizer(tmp_path / "t", hf.config.vocab_size)
+    server = ServerProcess(["--target", str(tmp_path / "t"), "--no-drafter", "--no-direct-ingress",
+                            "--num-kv-blocks", "64", "--kv-block-size", "8", "--max-model-len", "256",
+                            "--max-num-seqs", "4", "--max-queued", "4", "--model-name", "tiny"])
+    try:
+        card = server.start(300)
+        assert card["id"] == "tiny" and card["specray"]["http_ingress"] == "proxy"
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+        with urllib.request.urlopen(urllib.request.Request(
+                f"{server.url}/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"}), timeout=60) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 120  # the line comes once `serve.run` returns
+        while "HTTP served through Serve's proxy" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "HTTP served through Serve's proxy" in server.log_tail()
+        assert "direct ingress" not in server.log_tail()
+        psutil = pytest.importorskip("psutil")
+        assert "ServeReplica" not in " ".join(psutil.Process(listener(psutil, server.port)).cmdline())
+    finally:
+        server.close()
+
+
 def test_direct_ingress_refuses_several_replicas():
     out = subprocess.run([sys.executable, "-m", "specray.cli", "serve", "--direct-ingress", "--num-replicas", "2",
                           "--target", "/nonexistent"], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
     assert out.returncode == 2 and "--direct-ingress serves one replica" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv, env, direct, said", [
+    ([], {}, True, None),
+    (["--direct-ingress"], {}, True, None),
+    (["--no-direct-ingress"], {}, False, None),
+    (["--num-replicas", "2"], {}, False, "got --num-replicas 2"),
+    ([], {"RAY_ADDRESS": "127.0.0.1:6379"}, False, "RAY_ADDRESS is set"),
+    (["--no-direct-ingress", "--num-replicas", "2"], {}, False, None),
+])
+def test_direct_ingress_default(argv, env, direct, said, monkeypatch, capsys):
+    """Unset: direct ingress where it can run, else Serve's proxy with a note
+    saying why; --no-direct-ingress: the proxy, no note."""
+    from specray.serve.cli import build_parser, choose_direct_ingress
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert choose_direct_ingress(build_parser().parse_args(argv)) == (direct, None)
+    out = capsys.readouterr().out
+    if said:
+        assert "HTTP through Serve's proxy, not direct ingress" in out and said in out, out
+    else:
+        assert out == ""

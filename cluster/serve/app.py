@@ -124,8 +124,11 @@ class SpecRayServer(GrpcService):
         self.metrics = ServeMetrics(self.model_name)
         self._poller: asyncio.Task | None = None
         self.features = self.engine.stats().get("features", {})
-        log.info("specray replica ready: model %s, backend %s, tp %d, drafter %s (%s), in-flight bound %d",
-                 self.model_name, s.backend, s.tensor_parallel_size, config.drafter, s.drafter_placement, self.limit)
+        # Serve reads this from the environment Ray started with (`specray serve` sets it, docs/serving.md).
+        self.http_ingress = "direct" if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" else "proxy"
+        log.info("specray replica ready: model %s, backend %s, tp %d, drafter %s (%s), in-flight bound %d, "
+                 "HTTP %s", self.model_name, s.backend, s.tensor_parallel_size, config.drafter,
+                 s.drafter_placement, self.limit, self.http_ingress)
 
     # ------------------------------------------------------------ lifecycle
     async def __del__(self):
@@ -290,7 +293,7 @@ class SpecRayServer(GrpcService):
                 "root": s.target, "parent": None, "max_model_len": self.max_model_len,
                 "specray": {"drafter": s.drafter, "tensor_parallel_size": s.tensor_parallel_size,
                             "drafter_placement": s.drafter_placement, "backend": s.backend,
-                            "features": self.features}}
+                            "http_ingress": self.http_ingress, "features": self.features}}
 
     @app.get("/v1/models")
     async def list_models(self, request: Request):

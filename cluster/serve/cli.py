@@ -40,9 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued", type=int, default=64,
                    help="requests admitted beyond --max-num-seqs per replica; more get HTTP 429")
     s.add_argument("--num-replicas", type=int, default=1)
-    s.add_argument("--direct-ingress", action="store_true",
-                   help="the replica serves HTTP on --port itself, without Serve's proxy in between (one replica, "
-                        "a Ray this command starts; Ray Serve's experimental direct ingress)")
+    s.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                   help="the replica serves HTTP on --port itself, without Serve's proxy in between (Ray Serve's "
+                        "experimental direct ingress). Default: on where it can run (one replica, a Ray this "
+                        "command starts), else Serve's proxy with a note saying why; --direct-ingress where it "
+                        "cannot run is an error; --no-direct-ingress: always Serve's proxy")
     s.add_argument("--app-name", default="specray")
     s.add_argument("--sample-request", action="store_true",
                    help=f"after startup, ask {' and '.join(map(repr, SAMPLE_QUESTIONS))} and print the answers "
@@ -78,12 +80,27 @@ def _start_ray(host: str):
 
 
 def direct_ingress_refused(args) -> str | None:
-    """Why ``--direct-ingress`` cannot run with these arguments, or None."""
+    """Why direct ingress cannot run with these arguments, or None."""
     if args.num_replicas != 1:
         return f"serves one replica on --port; got --num-replicas {args.num_replicas}"
     if os.environ.get("RAY_ADDRESS"):
         return "needs the Ray this command starts (RAY_ADDRESS is set: that cluster's Serve runs as it was started)"
     return None
+
+
+def choose_direct_ingress(args) -> tuple[bool, str | None]:
+    """(serve HTTP from the replica?, error). ``--direct-ingress`` unset:
+    on where it can run, else Serve's proxy with a printed note; given
+    where it cannot run: an error; ``--no-direct-ingress``: the proxy."""
+    if args.direct_ingress is False:
+        return False, None
+    why = direct_ingress_refused(args)
+    if why is None:
+        return True, None
+    if args.direct_ingress:
+        return False, f"--direct-ingress {why}"
+    print(f"specray: HTTP through Serve's proxy, not direct ingress: it {why}", flush=True)
+    return False, None
 
 
 def direct_ingress_environment(host: str, port: int) -> int:
@@ -157,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.exit_after_sample and not args.sample_request:
         print("specray serve: --exit-after-sample needs --sample-request", file=sys.stderr)
         return 2
+    direct, error = choose_direct_ingress(args)
+    if error:
+        print(f"specray serve: error: {error}", file=sys.stderr)
+        return 2
     from specray.config import ConfigError
 
     try:
@@ -192,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     proxy_port = args.port
-    if args.direct_ingress:
-        why = direct_ingress_refused(args)
-        if why:
-            print(f"specray serve: error: --direct-ingress {why}", file=sys.stderr)
-            return 2
+    if direct:
         proxy_port = direct_ingress_environment(args.host, args.port)
     print("specray: starting Ray and the Serve app", flush=True)
     started_ray = _start_ray(args.host)
@@ -230,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specray: serving {settings.model_name!r} (target {target}, drafter {drafter or 'none'}) "
               f"ready in {time.perf_counter() - t:.1f} s", flush=True)
         print(f"specray: OpenAI API at {base_url}/v1  (health: {base_url}/health)", flush=True)
-        if args.direct_ingress:
+        if direct:
             print(f"specray: HTTP served by the replica itself (direct ingress); Serve's proxy at {host}:{proxy_port}",
                   flush=True)
+        else:
+            print("specray: HTTP served through Serve's proxy", flush=True)
         if args.grpc_port:
             print(f"specray: gRPC specray.v1.SpecRay at {host}:{args.grpc_port}", flush=True)
         metrics = _metrics_url()

@@ -94,7 +94,7 @@ def bind_replica_server_to_node_ip() -> None:
         replica.add_port_to_grpc_server = add_port_to_grpc_server
     except (ImportError, AttributeError) as e:
         log.warning("specray: cannot bind the replica's gRPC server to loopback (%s)", e)
-    bind_grpc_servers(grpc_host())  # its own gRPC server under direct ingress (``specray serve --direct-ingress``)
+    bind_grpc_servers(grpc_host())  # its own gRPC server under direct ingress (``specray serve``'s default)
 
 
 def environment(host: str = "127.0.0.1") -> dict:
