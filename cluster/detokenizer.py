@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from specray.request import Request
@@ -127,19 +128,78 @@ def _normalizer_keeps_length(norm: dict | None) -> bool:
     return kind in _BOUNDED_NORMALIZERS
 
 
-def detokenize_step(tokenizer, req: Request) -> str:
-    """Text added by the request's newest token(s). Decodes a short window
-    twice (before / after) so that multi-token characters and leading spaces
-    come out right; returns "" while a character is still incomplete."""
+def text_decoder(tokenizer) -> Callable[[list[int], bool], str] | None:
+    """``tokenizer.decode`` as a plain function of (ids, skip_special_tokens).
+
+    A fast tokenizer's own decode where transformers' wrapper adds nothing
+    to it: the wrapper's Python (argument conversion, the clean-up rule)
+    cost ~4x the decode itself, paid twice a step for every row. The only
+    text the wrapper changes is its clean-up of spaces before punctuation,
+    which transformers applies or skips by tokenizer kind and version: a
+    probe that clean-up would change decides, against the wrapper itself."""
     if tokenizer is None:
+        return None
+
+    def wrapped(ids: list[int], skip: bool) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return wrapped
+    try:
+        probe = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+        same = all(backend.decode(probe, skip_special_tokens=skip) == wrapped(probe, skip) for skip in (False, True))
+    except Exception:  # a tokenizer that cannot take the probe: keep its own decode
+        return wrapped
+    if not same:
+        return wrapped
+    return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+
+
+# What transformers' clean_up_tokenization rewrites (a space before . ? ! ,
+# and English contractions).
+_CLEAN_UP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're k"
+
+
+def decodes_in_runs(tokenizer) -> bool:
+    """Whether several new tokens may be decoded at once: a byte-level
+    decoder's text is its tokens' bytes, so the text a window adds does not
+    depend on where earlier calls cut it (sentencepiece-style decoders
+    strip a leading space at the start of a window: those step one token
+    at a time)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and type(decoder).__name__ == "ByteLevel"
+
+
+def detokenize_step(decode: Callable[[list[int], bool], str] | None, req: Request, runs: bool = False) -> str:
+    """Text added by the request's new tokens, with ``decode``
+    (:func:`text_decoder`). Each token's call decodes a short window twice
+    (before / after) so that multi-token characters and leading spaces come
+    out right, and emits nothing while a character is incomplete.
+    ``runs`` (:func:`decodes_in_runs`): all new tokens in one call where
+    the text then ends on a whole character; else, and for other decoders,
+    one call per token, as if each had come alone."""
+    if decode is None:
         return ""
-    ids = req.all_token_ids
+    if runs:
+        text = _decode_through(decode, req, req.num_tokens)
+        if text or req.num_tokens - req.detok_read_offset <= 1:
+            return text
+    # A call that emits nothing moves nothing: stepping again from the last
+    # emission is what the calls token by token did.
+    return "".join(_decode_through(decode, req, end) for end in range(req.detok_read_offset + 1, req.num_tokens + 1))
+
+
+def _decode_through(decode, req: Request, end: int) -> str:
+    """The text the tokens before ``end`` add past the last emission."""
     skip = req.params.skip_special_tokens
-    prefix = tokenizer.decode(ids[req.detok_prefix_offset : req.detok_read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[req.detok_prefix_offset :], skip_special_tokens=skip)
+    window = req.token_ids_from(req.detok_prefix_offset)[: end - req.detok_prefix_offset]
+    prefix = decode(window[: req.detok_read_offset - req.detok_prefix_offset], skip)
+    full = decode(window, skip)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         req.detok_prefix_offset = req.detok_read_offset
-        req.detok_read_offset = len(ids)
+        req.detok_read_offset = end
         return full[len(prefix) :]
     return ""
 

@@ -28,14 +28,10 @@ import torch
 from specray.actors.kv_cache import BlockAllocator
 from specray.async_decode import AsyncSteps, InflightStep, chain_from_prefill, launch_decode
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
-from specray.detokenizer import (
-    detokenize_step,
-    find_stop_string,
-    max_prompt_chars,
-    stop_holdback,
-)
+from specray.detokenizer import decodes_in_runs, max_prompt_chars, text_decoder
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
 from specray.faults import fail_request, format_error
+from specray.emit import RequestEmit
 from specray.intake import RequestIntake
 from specray.request import Request, RequestOutput
 from specray.prompt_lookup import merge_lookup_drafts
@@ -61,7 +57,7 @@ class StepStats:
     verify: float = 0.0
 
 
-class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps):
+class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps, RequestEmit):
     # Tests turn on prompts prefilled one a step (``lone_prefills``) on the
     # CPU's padded graph path, where it only adds compute otherwise.
     lone_prefills_off_cuda = False
@@ -112,6 +108,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps)
         # tokenization held every stream's detokenization (the GIL is
         # released while it runs).
         self.tokenizer_lock = threading.Lock()
+        self._decode = text_decoder(tokenizer)
+        self._decode_runs = decodes_in_runs(tokenizer)
         self._encoder = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self._encoder_lock = threading.Lock()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len - 1)
@@ -344,25 +342,6 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps)
         return out
 
     # --------------------------------------------------------------- apply
-    def _emit(self, r: Request, drafts: list[int], a: int, bonus: int, num_drafts: int,
-              keep_ahead: int = 0, logprobs: list | None = None) -> RequestOutput:
-        """A decode row's result: its first ``a`` drafts and the bonus token
-        are appended (up to a stop), the step recorded, and the request's
-        blocks rolled back past what was accepted (keeping ``keep_ahead``
-        more positions for a step in flight)."""
-        produced = self._append(r, drafts[:a] + [bonus], logprobs)
-        r.metrics.record_step(num_drafts, min(a, produced), produced)
-        if not r.finished:
-            computed = r.num_computed + a + 1
-            self.scheduler.commit(r, computed, keep=computed + keep_ahead)
-        return self._output(r)
-
-    def _forget_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        for o in outputs:
-            if o.finished:
-                self.requests.pop(o.request_id, None)
-        return outputs
-
     def _sync(self) -> None:
         if self.config.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -441,69 +420,4 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps)
             self.target.hidden_rows(None if rows is None else torch.tensor(rows, dtype=torch.int64)),
             torch.tensor(positions, dtype=torch.int64),
             torch.tensor(slots, dtype=torch.int64),
-        )
-
-    def _append(self, r: Request, tokens: list[int], logprobs: list | None = None) -> int:
-        """Append emitted tokens (and their ``logprobs`` entries) one by one,
-        stopping at the first stop condition; returns how many were kept."""
-        stops = r.stop_token_ids
-        kept = 0
-        for tok in tokens:
-            r.output_token_ids.append(tok)
-            if logprobs is not None:
-                r.logprobs.append(logprobs[kept])
-            kept += 1
-            if r.metrics.first_token_time is None:
-                r.metrics.first_token_time = time.monotonic()
-            # A stop token's text stays out of the output, as in vLLM (the
-            # token still counts in token_ids and usage).
-            # Before min_tokens a stop token is text like any other (the
-            # verification masks stop tokens there, so none is emitted) and
-            # stop strings are not looked for (vLLM's rule).
-            stopping = tok in stops and len(r.output_token_ids) > r.params.min_tokens
-            new_text = ""
-            if not stopping:
-                with self.tokenizer_lock:
-                    new_text = detokenize_step(self.tokenizer, r)
-                r.text += new_text
-            reason = None
-            if stopping:
-                reason, r.stop_reason = "stop", tok
-            elif new_text and r.params.stop and len(r.output_token_ids) >= r.params.min_tokens and \
-                    (hit := find_stop_string(r, len(new_text))):
-                r.text = r.text[: hit[0]]
-                reason, r.stop_reason = "stop", hit[1]
-            elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(r, reason)
-                r.metrics.finished_time = time.monotonic()
-                break
-        return kept
-
-    def _output(self, r: Request) -> RequestOutput:
-        visible = len(r.text) - stop_holdback(r)
-        delta_text = r.text[r.sent_text_len : max(visible, r.sent_text_len)]
-        r.sent_text_len = max(visible, r.sent_text_len)
-        delta_ids = r.output_token_ids[r.sent_token_len :]
-        asked = r.params.logprobs is not None
-        # New entries every time, all of them once: a stream's outputs cross
-        # processes (the Ray backend), and the whole list each step would
-        # make a long generation's traffic quadratic.
-        delta_logprobs = r.logprobs[r.sent_token_len :] if asked else None
-        r.sent_token_len = len(r.output_token_ids)
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_token_ids,
-            text=r.text,
-            token_ids=list(r.output_token_ids),
-            finished=r.finished,
-            finish_reason=r.finish_reason,
-            metrics=r.metrics,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-            stop_reason=r.stop_reason,
-            delta_logprobs=delta_logprobs,
-            logprobs=list(r.logprobs) if asked and r.finished else None,
         )

@@ -77,7 +77,7 @@ class StepBatches:
             has = torch.tensor([bool(d) and dl.block_len > 1 for d, dl in zip(tree_lookup, decode)])
         mask = self.drafter_spec.mask_token_id
         block_ids = torch.full((len(decode), B), mask, dtype=torch.int64)
-        block_ids[:, 0] = torch.tensor([d.request.all_token_ids[-1] for d in decode])
+        block_ids[:, 0] = torch.tensor([d.request.last_token_id for d in decode])
         ctx = [d.request.num_computed for d in decode]
         return DraftBatch(
             block_ids=block_ids,
@@ -114,7 +114,7 @@ class StepBatches:
             r = d.request
             base = len(ids)
             rows = self.block_size if uniform else d.block_len
-            ids.append(r.all_token_ids[-1])
+            ids.append(r.last_token_id)
             ids.extend([0] * (rows - 1))
             draft_dst.extend(range(base + 1, base + d.block_len))
             draft_src.extend(range(s * G, s * G + d.block_len - 1))
