@@ -147,7 +147,9 @@ def test_gpu_fewer_speculative_tokens_match_cpu(ckpt, async_):
     autoregressive ones); sampled, the acceptance lengths are the CPU's,
     none above 6."""
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    kw = dict(num_speculative_tokens=5, cuda_graphs=True, async_scheduling=async_)
+    # The adaptive policy's choices follow measured step times: off, so that
+    # the acceptance lengths are the drafter's, comparable with the CPU's.
+    kw = dict(num_speculative_tokens=5, cuda_graphs=True, async_scheduling=async_, adaptive_speculation=False)
     llm = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, **kw)
     gpu = llm.generate(PROMPTS, greedy)
     assert llm.engine.drafter.graphs.graphs or async_  # the sync path replayed 6-row propose graphs
@@ -182,7 +184,7 @@ def test_gpu_prefill_graphs_match_cpu(ckpt):
     gets the context the CPU's does (sampled: same acceptance lengths)."""
     kw = dict(num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=128, prompt_lookup_min=0)
     cpu = LLM(ckpt / "t", ckpt / "d", device="cpu", dtype="float32", **kw)
-    gpu = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", cuda_graphs=True, **kw)
+    gpu = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", cuda_graphs=True, adaptive_speculation=False, **kw)
     used = []
     run = gpu.engine.target._execute_prefill_graph
     gpu.engine.target._execute_prefill_graph = lambda batch, rows: used.append(rows) or run(batch, rows)
