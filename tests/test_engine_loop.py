@@ -30,3 +30,20 @@ def test_first_tokens_and_ends_are_not_held_back_to_batch_steps():
     assert poll_seconds(output([7, 8], [7, 8])) < 0.2  # a request's first tokens
     assert poll_seconds(output([7, 8, 9], [9], finished=True)) < 0.2  # its end
     assert poll_seconds(output([7, 8, 9], [9])) >= 0.4  # mid-stream: batched with the next steps
+
+
+def test_an_end_arriving_while_steps_are_batched_goes_at_once():
+    loop = bare_loop([output([7, 8, 9], [9])])  # mid-stream: the poll batches
+    end = output([7, 8, 9, 10], [10], finished=True)
+
+    def finish():
+        time.sleep(0.05)
+        with loop._cv:
+            loop._outbox.append(end)
+            loop._cv.notify_all()
+
+    threading.Thread(target=finish).start()
+    t = time.monotonic()
+    cursor, outs = loop.get_outputs(-1, 1.0, 0.6)
+    assert outs[-1] is end and cursor == 2
+    assert time.monotonic() - t < 0.4  # not the 0.6 s a batch may wait
