@@ -418,7 +418,10 @@ class AsyncSteps:
             num_drafts = self.scheduler.block_len(r) - 1 if step.spec else 0
             r.metrics.num_lookup_steps += looked_up
             try:
-                outputs.append(self._emit(r, drafts, a, bonus, num_drafts, self.block_size if chained else 0))
+                # Chained, the room _can_chain reserves (two blocks ahead) stays:
+                # trimmed back to one, a row freed a block and took one again
+                # nearly every step, and its changed tables went up again.
+                outputs.append(self._emit(r, drafts, a, bonus, num_drafts, 2 * self.block_size if chained else 0))
             except Exception as e:  # its own host code: it fails alone (faults.py)
                 outputs.append(fail_request(self, r, format_error(e)))
         return self._forget_finished(outputs)
