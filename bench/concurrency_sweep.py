@@ -30,9 +30,11 @@ as soon as one finishes, ``--rounds * c`` requests a point (at least
 stepping the in-process engine (``EngineCore.step``) in this thread:
 continuous batching as the engine does it, with no serving layer (HTTP
 costs are ``specray bench serve``'s). tokens/s = output tokens / wall time
-from the first admission to the last finish. Every concurrency is run once
-untimed first (16 tokens a request): graphs are captured and kernels
-compiled outside the timed points (``--no-warmup`` skips it).
+from the first admission to the last finish. Each point's workload is run
+once untimed before it is timed, so graphs are captured and kernels
+compiled outside the timed points (``--no-warmup`` skips it); a point's
+``spec_steps`` / ``ar_steps`` count the graph captures its timed run still
+paid.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from scaling_sweep import SHAPES, random_checkpoints  # random checkpoints of real shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CaptureCounter
 
 from specray import LLM, SamplingParams
 from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle
@@ -131,19 +136,23 @@ def summarize(outs: list, secs: float) -> dict:
             "mean_acceptance_length": sum(steps) / len(steps) if steps else None}
 
 
-def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point) -> None:
+def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point, captures=None) -> None:
     eng = llm.engine
-    if args.warmup:
-        warm = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, seed=0)
-        for c in args.concurrency:  # the timed point's batch sizes, short
-            closed_loop(eng, prompts[c], warm, c)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
     for c in args.concurrency:
+        if args.warmup:
+            # The point's own workload, untimed: under churn the batch sizes a
+            # point meets (and so the graphs it captures) depend on when its
+            # requests finish, which a shorter warm-up does not reproduce.
+            closed_loop(eng, prompts[c], params, c)
         if getattr(eng, "oracle", None) is not None:
             eng.oracle.stats = OracleStats()
-        before = step_counters(eng)
+        before, cap = step_counters(eng), captures.snapshot() if captures else None
         outs, secs = closed_loop(eng, prompts[c], params, c)
-        on_point(c, outs, secs, step_summary(eng, before, secs))
+        steps = step_summary(eng, before, secs)
+        if captures:
+            steps |= captures.since(cap)
+        on_point(c, outs, secs, steps)
 
 
 def release() -> None:
@@ -181,6 +190,7 @@ def sweep(args) -> dict:
         run["oracle_profile_survival"] = list(profile.survival[:32])
         run["oracle_engine_settings"] = ORACLE_ENGINE_SETTINGS
     ar_points: dict[tuple, dict] = {}
+    captures = CaptureCounter()
     points: list[dict] = []
     tag = f"[{args.model}" + (f" ORACLE ACCEPTANCE {label}]" if label else "]")
 
@@ -197,7 +207,7 @@ def sweep(args) -> dict:
             if oracle is not None:
                 oracle.record_outputs(outs)
             print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
-        run_engine(ar, prompts, args, temp, ar_point)
+        run_engine(ar, prompts, args, temp, ar_point, captures)
     ar.shutdown()
     del ar  # the speculative engine gets the device's memory
     release()
@@ -236,9 +246,10 @@ def sweep(args) -> dict:
                   + (f" (profile {expected:.2f})" if expected else "")
                   + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else "")
                   + f" | steps {steps['steps']} ({steps['wall_ms_per_step']} ms, {steps['async_steps']} async"
-                  + (f", {steps['speculative_steps']} speculative)" if "speculative_steps" in steps else ")"), flush=True)
+                  + (f", {steps['speculative_steps']} speculative" if "speculative_steps" in steps else "")
+                  + f"; {steps.get('graph_captures', 0)} graph captures timed)", flush=True)
             write(args, run, points)
-        run_engine(spec, prompts, args, temp, spec_point)
+        run_engine(spec, prompts, args, temp, spec_point, captures)
     spec.shutdown()
     del spec
     release()

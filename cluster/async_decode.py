@@ -156,6 +156,10 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
             inputs |= core.oracle.chain_inputs(requests, starts)
         if "history" in graphs.buffers or (core.drafter is not None and core.config.prompt_lookup_min):
             inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
+    elif any(r.finished for r in requests):
+        # Finished rows ride as padding (EngineCore._can_chain): freed, their
+        # tables are empty (block 0), and ``real`` off restarts them at 0.
+        inputs["real"] = torch.tensor([not r.finished for r in requests], dtype=torch.bool)
     # Tables change only when a row crosses into a new block: upload them then.
     tables = [r.target_blocks.blocks for r in requests]
     if not chained or tables != core.uploaded_tables[lane]:
@@ -322,19 +326,25 @@ class AsyncSteps:
         chain went on: the steps it applied cost the longer of their GPU time
         and the cycle's wall time (launch, apply, and what the serving
         threads did meanwhile). With small models the host is the limit,
-        and its cost grows with the tokens a step emits."""
+        and its cost grows with the tokens a step emits. A cycle whose step
+        follows one of another kind or batch size, or opens a chain, is not
+        timed (it carries the other step's work); its tokens still count."""
         cycle, self._cycle = self._cycle, None
         if self.policy is None or cycle is None or not self._inflight:
+            self._observed_kind = None
             return
         start, steps = cycle
         if any(p.timing is None for p in steps):  # a graph captured in it
+            self._observed_kind = None
             return
         p = steps[0]
+        kind, last = (p.padded, p.spec, p.mode), self._observed_kind
+        self._observed_kind = kind
         counted = [q for q in steps if q.tokens_per_row is not None]
         rows = sum(len(q.requests) for q in counted)
         tokens = sum(q.tokens_per_row * len(q.requests) for q in counted) / rows if rows else None
-        self.policy.observe(p.padded, p.spec, max(sum(q.gpu_seconds() for q in steps), now - start), p.mode,
-                            tokens, rows)
+        seconds = max(sum(q.gpu_seconds() for q in steps), now - start) if kind == last else 0.0
+        self.policy.observe(p.padded, p.spec, seconds, p.mode, tokens, rows)
 
     def _adaptive_unsupported(self) -> str | None:
         if self.drafter is None:
@@ -378,6 +388,8 @@ class AsyncSteps:
         self.uploaded_tables = [[], []]
 
     def begin_chain(self) -> None:
+        self._pending_since = None
+        self._observed_kind = None  # a chain's first cycle waits for its first step whole: not timed
         for w in self._peers():
             if hasattr(w, "begin_chain"):
                 with drafter_part("a chain's start") if w is self.drafter else nullcontext():
@@ -385,22 +397,60 @@ class AsyncSteps:
 
     def _can_chain(self, requests: list[Request]) -> bool:
         """Whether the steps after those in flight for ``requests`` may be
-        launched before their results are applied: the same rows, none
-        finished, none near a length limit, no waiting request that
+        launched before their results are applied: the rows still running
+        (finished ones ride along as padding while ``_finished_rows_ride``
+        allows), none near a length limit, no waiting request that
         scheduling would admit now (one that does not fit waits for a finish,
-        which drains), and room to reserve every row's blocks two verify
-        blocks ahead."""
+        which drains) unless finished rows hold its place, and room to
+        reserve every row's blocks two verify blocks ahead."""
         sched, B = self.scheduler, self.block_size
-        if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B):
-            return False
-        for r in requests:
+        live = [r for r in requests if not r.finished]
+        if not live or len(sched.running) != len(live):
+            return self._drain()
+        pending = sched.could_admit(len(live) * B)
+        riding = len(live) < len(requests) or pending
+        if riding and not self._finished_rows_ride(len(requests), len(live), pending):
+            return self._drain()
+        for r in live:
             # The host's view lags ``prev``: it may advance by up to B, and
             # its next block needs B rows more.
-            if r.finished or r.num_computed + 2 * B > self.max_model_len:
-                return False
-            if r.params.max_tokens - len(r.output_token_ids) <= 1:
-                return False  # ``prev`` emits at least one token, the last
-        return all(sched.reserve(r, r.num_computed + 2 * B) for r in requests)
+            if r.num_computed + 2 * B > self.max_model_len:
+                return self._drain()
+            # ``prev`` emits at least one token, the last: without padding
+            # rows the row would run a step past its end.
+            if not self._rows_may_finish() and r.params.max_tokens - len(r.output_token_ids) <= 1:
+                return self._drain()
+        return all(sched.reserve(r, r.num_computed + 2 * B) for r in live) or self._drain()
+
+    def _rows_may_finish(self) -> bool:
+        """Whether a chain may run on past finished rows: one lane, rank 0's
+        own graphs (a drafter or TP followers in other processes keep row
+        state of their own, which no padding write reaches)."""
+        return self.config.chain_finished_fraction > 0 and len(self._inflight) <= 1 and not self._peers()
+
+    def _finished_rows_ride(self, rows: int, live: int, pending: bool) -> bool:
+        """Whether the chain goes on with ``rows - live`` finished rows as
+        padding: while a request waits, until ``chain_finished_fraction``
+        of the rows finished or the wait reached ``admit_wait_ms`` (a
+        request arriving with no row finished is admitted at once); with
+        nothing waiting, until the live rows would fit a smaller graph."""
+        from specray.actors.graphs import capture_sizes
+
+        if not self._rows_may_finish():
+            return False
+        finished = rows - live
+        if pending:
+            now = time.perf_counter()
+            if self._pending_since is None:
+                self._pending_since = now
+            return 0 < finished < max(1.0, self.config.chain_finished_fraction * rows) and \
+                now - self._pending_since < self.config.admit_wait_ms / 1000
+        sizes = capture_sizes(self.config.max_num_seqs)
+        return next(s for s in sizes if s >= live) == next(s for s in sizes if s >= rows)
+
+    def _drain(self) -> bool:
+        self._pending_since = None
+        return False
 
     def _apply_inflight(self, step: InflightStep, chained: bool) -> list[RequestOutput]:
         """Apply an asynchronous step's tokens. With the next step in flight
@@ -409,7 +459,8 @@ class AsyncSteps:
         outputs = []
         rows = step.read()
         if step.spec and self.drafter is not None:
-            step.tokens_per_row = sum(row[0] + 1 for row in rows) / len(rows)
+            live = [row[0] + 1 for r, row in zip(step.requests, rows) if not r.finished]
+            step.tokens_per_row = sum(live) / len(live) if live else None
         for r, (a, bonus, looked_up, drafts) in zip(step.requests, rows):
             if r.finished:
                 continue

@@ -128,6 +128,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.tree = self._tree_universe()
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
+        self._pending_since: float | None = None  # when a waiting request could first have been admitted
+        self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
 
     # ----------------------------------------------------------- admission
     def add_request(

@@ -22,7 +22,13 @@ Both sides are measured, not assumed:
   and sampled batches (their acceptance differs by half). While steps are
   autoregressive a speculative probe every ``PROBE_EVERY`` steps keeps it
   current, and while they speculate an autoregressive one every
-  ``AR_PROBE_EVERY`` steps keeps that cost current.
+  ``AR_PROBE_EVERY`` steps keeps that cost current. A probe is
+  ``PROBE_STEPS`` steps in a row, and the engine measures no step whose
+  kind or batch size differs from the step applied before it: such a
+  cycle carries the other kind's host work and its wait for the GPU (on
+  the H200 at c=64 single-step probes read an autoregressive step at
+  2.98 ms where a chain of them ran at 1.49, and the policy kept
+  speculating at 0.39x of the AR engine).
 
 Exactness does not depend on the choice: every step, of either kind, emits
 the target's tokens (greedy) or its distribution (sampled).
@@ -42,6 +48,7 @@ PROBE_EVERY = 16  # autoregressive steps between two speculative probes
 # Speculative steps between two autoregressive probes: rarer, since at
 # batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
 AR_PROBE_EVERY = 64
+PROBE_STEPS = 2  # a probe's steps in a row: its first is not measured (it follows the other kind)
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
 
 
@@ -53,28 +60,35 @@ class SpecPolicy:
     since_probe: int = 0  # autoregressive steps since the last speculative one
     since_ar: int = 0  # speculative steps since the last autoregressive one
     choices: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    held: int = 0  # steps a probe still holds its kind for
 
     def choose(self, n_padded: int, kind: str) -> bool:
         """Whether the next step of a batch padded to ``n_padded`` rows of
         sampling ``kind`` ("greedy" or else) speculates."""
-        spec = self._choose(n_padded, kind)
+        if self.held:
+            self.held -= 1
+            spec = self.since_probe == 0  # the probe's kind, as its first step chose it
+        else:
+            spec, probe = self._choose(n_padded, kind)
+            self.held = PROBE_STEPS - 1 if probe else 0
         self.since_probe = 0 if spec else self.since_probe + 1
         self.since_ar = self.since_ar + 1 if spec else 0
         self.choices[spec] += 1
         return spec
 
-    def _choose(self, n: int, kind: str) -> bool:
+    def _choose(self, n: int, kind: str) -> tuple[bool, bool]:
+        """(speculate, whether it is a probe)."""
         t_spec, t_ar = self.cost.get((n, True)), self.cost.get((n, False))
         if t_spec is None:
-            return True
+            return True, False
         if t_ar is None:
-            return False
+            return False, False
         if self.since_probe >= PROBE_EVERY:
-            return True
+            return True, True
         if self.since_ar >= AR_PROBE_EVERY:
-            return False  # keeps the autoregressive cost current (the batch's load changes it)
+            return False, True  # keeps the autoregressive cost current (the batch's load changes it)
         tokens = self.emitted.get(_kind(kind), 1.0 + 0.5 * (self.block_size - 1))
-        return tokens / t_spec > MARGIN / t_ar
+        return tokens / t_spec > MARGIN / t_ar, False
 
     def observe(self, n_padded: int, spec: bool, seconds: float, kind: str, tokens_per_row: float | None,
                 rows: int = 1) -> None:

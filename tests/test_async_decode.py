@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factories import make_models
-from specray.config import EngineConfig
+from specray.config import ConfigError, EngineConfig
 from specray.llm import build_engine
 from specray.sampling import SamplingParams
 
@@ -406,3 +406,71 @@ def test_prompts_admitted_together_are_prefilled_one_a_step(models, monkeypatch)
         if eng.num_async_steps == async_before:
             break
     assert sorted(o.request_id for o in got if o.delta_token_ids) == ["b", "c", "d"]
+
+
+def closed_loop(eng, prompts, params, concurrency: int) -> tuple[dict, int]:
+    """``concurrency`` requests in flight, the next admitted as one finishes:
+    the final outputs and the synchronous steps the engine took."""
+    outs, i, live, sync_steps = {}, 0, 0, 0
+    while i < len(prompts) or eng.has_unfinished():
+        while i < len(prompts) and live < concurrency:
+            eng.add_request(prompts[i], params[i], request_id=str(i))
+            i, live = i + 1, live + 1
+        before = eng.num_async_steps
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+                live -= 1
+        sync_steps += eng.num_async_steps == before
+    return outs, sync_steps
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_finished_rows_ride_the_chain_until_admission_pays(models, drafter):
+    """Under churn a chain runs on past finished rows (freed, replayed as
+    padding) until a third of its rows finished, then admits the waiting
+    requests together: every request's tokens stay those of synchronous
+    steps (greedy and seeded sampled rows), the KV pools end empty, and the
+    engine takes fewer synchronous steps than draining at every finish."""
+    g = torch.Generator().manual_seed(21)
+    ps = [torch.randint(2, 319, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (24,), generator=g)]
+    lens = torch.randint(6, 40, (24,), generator=g).tolist()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) if i % 3 else
+              SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True) for i, n in enumerate(lens)]
+    # Sampled and greedy rows run in separate chains' graphs; one kind a batch keeps chains long.
+    for kind in (0, 1):
+        pick = [i for i in range(len(ps)) if (i % 3 == 0) == bool(kind)]
+        sub_ps, sub_params = [ps[i] for i in pick], [params[i] for i in pick]
+        want, _ = closed_loop(engine(models, drafter, False), sub_ps, sub_params, 6)
+        eager, drains = closed_loop(engine(models, drafter, True, chain_finished_fraction=0), sub_ps, sub_params, 6)
+        eng = engine(models, drafter, True, chain_finished_fraction=0.34, admit_wait_ms=1e6)
+        got, riding = closed_loop(eng, sub_ps, sub_params, 6)
+        for k in want:
+            assert got[k].token_ids == want[k].token_ids == eager[k].token_ids, (kind, k)
+        assert riding < drains, (kind, riding, drains)
+        sched = eng.scheduler
+        assert sched.target_pool.num_free == sched.target_pool.capacity
+        if drafter:
+            assert sched.draft_pool.num_free == sched.draft_pool.capacity
+
+
+def test_chain_finished_fraction_is_checked():
+    with pytest.raises(ConfigError, match="chain_finished_fraction"):
+        EngineConfig(target="t", chain_finished_fraction=1.5)
+    with pytest.raises(ConfigError, match="admit_wait_ms"):
+        EngineConfig(target="t", admit_wait_ms=-1)
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_a_finished_row_near_the_length_limit_rides_as_padding(models, drafter):
+    """A row that finishes near max_model_len rides on for as long as the
+    others run (its batch still pads to the same graph): restarted as a
+    padding row, it never indexes past its block table."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(2, 319, (MAX_MODEL_LEN - 20,), generator=g).tolist()] + \
+        [torch.randint(2, 319, (5,), generator=g).tolist() for _ in range(3)]
+    params = [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)] + \
+        [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3
+    want, _ = closed_loop(engine(models, drafter, False), ps, params, 4)
+    got, _ = closed_loop(engine(models, drafter, True), ps, params, 4)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}

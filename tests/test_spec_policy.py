@@ -10,7 +10,8 @@ import pytest
 from factories import make_models
 from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
-from specray.spec_policy import AR_PROBE_EVERY, PROBE_EVERY, SpecPolicy
+from specray.async_decode import AsyncSteps, InflightStep
+from specray.spec_policy import AR_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, SpecPolicy
 
 PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]
 MAX_TOKENS = [30, 24, 17, 33, 20]
@@ -50,8 +51,8 @@ def test_policy_probes_autoregressive_steps_while_speculating():
     p = SpecPolicy(block_size=16)
     p.observe(16, True, 0.0027, "greedy", 2.9)
     p.observe(16, False, 0.0023, "greedy", None)  # measured cold: an autoregressive step costs less
-    picks = [p.choose(16, "greedy") for _ in range(2 * AR_PROBE_EVERY + 2)]
-    assert picks.count(False) == 2 and not picks[AR_PROBE_EVERY] and not picks[2 * AR_PROBE_EVERY + 1]
+    picks = [p.choose(16, "greedy") for _ in range(2 * (AR_PROBE_EVERY + PROBE_STEPS))]
+    assert picks == ([True] * AR_PROBE_EVERY + [False] * PROBE_STEPS) * 2  # a probe is steps in a row
     # the probe finds the cheaper autoregressive step, and the policy follows it
     p.observe(16, False, 0.0009, "greedy", None)
     assert not p.choose(16, "greedy")
@@ -73,20 +74,45 @@ def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
             p.observe(1, True, 0.00143, "sampled", 1 if rng.random() < 0.5 else rng.choice([2, 3, 4]), rows=1)
         else:
             p.observe(1, False, 0.00102, "sampled", None)
-    assert sum(picks[100:]) / len(picks[100:]) > 0.97  # the autoregressive probes: 1 in 65
+    # the autoregressive probes: PROBE_STEPS in AR_PROBE_EVERY + PROBE_STEPS
+    assert sum(picks[100:]) / len(picks[100:]) > 0.96
 
 
 def test_policy_probes_while_autoregressive():
     p = SpecPolicy(block_size=16)
     p.observe(4, True, 0.01, "greedy", 1.1)
     p.observe(4, False, 0.001, "greedy", None)
-    picks = [p.choose(4, "greedy") for _ in range(3 * (PROBE_EVERY + 1))]
-    assert sum(picks) == 3 and not any(picks[:PROBE_EVERY])
+    picks = [p.choose(4, "greedy") for _ in range(3 * (PROBE_EVERY + PROBE_STEPS))]
+    assert picks == ([False] * PROBE_EVERY + [True] * PROBE_STEPS) * 3
     # probes that find cheap steps and high acceptance turn speculation on
     for _ in range(20):
         p.observe(4, True, 0.001, "greedy", 8.0)
     p.since_probe = 0
     assert p.choose(4, "greedy")
+
+
+def test_a_step_after_another_kind_is_not_timed():
+    """The engine times a step only when the step applied before it was of
+    the same kind and batch size: the cycle after a switch (or a chain's
+    start) carries the other step's host work and GPU wait, which made a
+    single autoregressive probe read 2x what a chain of them costs."""
+    eng = type("Eng", (), {})()
+    eng.policy, eng._cycle, eng._inflight, eng._observed_kind = SpecPolicy(block_size=16), None, [object()], None
+
+    def cycle(spec: bool, wall: float):
+        step = InflightStep([object()], None, None, timing=wall / 4, spec=spec, padded=8,
+                            tokens_per_row=2.5 if spec else None)
+        eng._cycle = (100.0, [step])
+        AsyncSteps._observe_cycle(eng, 100.0 + wall)
+
+    cycle(True, 0.004)  # a chain's first step: not timed, its tokens counted
+    assert eng.policy.cost == {} and eng.policy.emitted["greedy"] == 2.5
+    cycle(True, 0.004)
+    assert eng.policy.cost == {(8, True): pytest.approx(0.004)}
+    cycle(False, 0.009)  # follows a speculative step
+    assert (8, False) not in eng.policy.cost
+    cycle(False, 0.0015)
+    assert eng.policy.cost[(8, False)] == pytest.approx(0.0015)
 
 
 @pytest.fixture(scope="module")
