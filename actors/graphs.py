@@ -89,6 +89,13 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.outputs[size]
 
+    def capture_all(self) -> None:
+        """Capture every padded size not captured yet (off CUDA: nothing)."""
+        if self.use_graphs:
+            for size in self.sizes:
+                if size not in self.graphs:
+                    self._capture(size)
+
     def _fill(self, name: str, tail: torch.Tensor) -> None:
         pad = self.pad[name]
         if isinstance(pad, torch.Tensor):

@@ -67,13 +67,16 @@ def chain_break_counter(engine) -> Counter:
     return reasons
 
 
-def host_top(prof: cProfile.Profile, n: int) -> list[dict]:
+def host_top(prof: cProfile.Profile, n: int, key: str = "own_ms", files: str | None = None) -> list[dict]:
+    """The ``n`` functions with the most ``key`` time ("own_ms" or
+    "cum_ms"), of files whose path contains ``files`` (all: None)."""
     st = pstats.Stats(prof, stream=io.StringIO())
     rows = []
     for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():
-        rows.append({"function": f"{Path(file).name}:{line}:{fn}", "calls": nc, "own_ms": round(1000 * tt, 2),
-                     "cum_ms": round(1000 * ct, 2)})
-    rows.sort(key=lambda r: -r["own_ms"])
+        if files is None or files in file:
+            rows.append({"function": f"{Path(file).name}:{line}:{fn}", "calls": nc,
+                         "own_ms": round(1000 * tt, 2), "cum_ms": round(1000 * ct, 2)})
+    rows.sort(key=lambda r: -r[key])
     return rows[:n]
 
 
@@ -102,6 +105,9 @@ def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures
     out["profiled_seconds"] = round(time.perf_counter() - t, 4)
     prof.disable()
     out["host_top"] = host_top(prof, top)
+    # the project's own functions by inclusive time: which engine path the time is in
+    root = str(Path(__file__).resolve().parents[1])
+    out["host_top_cumulative"] = host_top(prof, top, "cum_ms", root)
     out["tokens_ids"] = [o.token_ids for o in outs]
     return out
 

@@ -129,6 +129,7 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
     params = [r.params for r in requests]
     vocab = core.target_spec.vocab_size
     mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
+    new_kind = not core.has_step_graphs(mode, lane, spec)
     graphs = core.step_graphs(mode, lane, spec)
     dev = core.device
     inputs, uploads = {}, None
@@ -185,7 +186,7 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
     if timing:
         timing[0].record()
     # A first replay at this size also captures its graph: not a step's time.
-    fresh = graphs.use_graphs and graphs.padded(len(requests)) not in graphs.graphs
+    fresh = graphs.use_graphs and (new_kind or graphs.padded(len(requests)) not in graphs.graphs)
     t = time.perf_counter()
     (out,) = graphs.run(len(requests), inputs)
     if timing:
@@ -201,6 +202,10 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
         results, ready = out.clone(), None
     return InflightStep(list(requests), results, ready, lane, timing, spec, graphs.padded(len(requests)), mode,
                         captured=fresh)
+
+
+def _graphs_key(sampling: str, lane: int, spec: bool) -> tuple:
+    return (sampling, lane) if spec else (sampling, lane, "ar")
 
 
 class AsyncSteps:
@@ -245,7 +250,7 @@ class AsyncSteps:
         ``lane``: each lane has its state, its graphs and their memory; the
         token history is one (its rows are the requests'). ``spec=False``:
         the autoregressive steps of a speculative engine."""
-        key = (sampling, lane) if spec else (sampling, lane, "ar")
+        key = _graphs_key(sampling, lane, spec)
         if key not in self._step_graphs:
             from specray.actors.step_graph import build_step_graphs
             from specray.actors.step_parts import StepSettings
@@ -263,7 +268,12 @@ class AsyncSteps:
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
                 speculate=spec,
             )
+            if self.config.capture_all_batch_sizes and not self._peers():
+                self._step_graphs[key].capture_all()
         return self._step_graphs[key]
+
+    def has_step_graphs(self, sampling: str, lane: int = 0, spec: bool = True) -> bool:
+        return _graphs_key(sampling, lane, spec) in self._step_graphs
 
     # ------------------------------------------------- micro-batch lanes
     def _overlap_unsupported(self) -> str | None:

@@ -401,6 +401,13 @@ class EngineConfig:
     # drains once and the waiting requests are admitted together. Draining
     # at every finish cost a synchronous step a request under churn (on the
     # H200 at c=64, 47 of 175 steps). 0: drain at the first finish.
+    # The first step of each sampling kind (greedy, sampled, filtered; its
+    # speculative and autoregressive steps apart) captures that kind's whole-
+    # step graph at every padded batch size at once, where the batch sizes
+    # met later would each stall a step with a capture (tens of ms: on the
+    # H200 under churn such captures were 0.7 of a 1.6 s point). Rank 0's
+    # own graphs only (peers capture their halves as the sizes come).
+    capture_all_batch_sizes: bool = True
     chain_finished_fraction: float = 0.125
     admit_wait_ms: float = 20.0
     # Load-adaptive speculation (spec_policy.py): each async step verifies

@@ -22,7 +22,8 @@ Both sides are measured, not assumed:
   and sampled batches (their acceptance differs by half). While steps are
   autoregressive a speculative probe every ``PROBE_EVERY`` steps keeps it
   current, and while they speculate an autoregressive one every
-  ``AR_PROBE_EVERY`` steps keeps that cost current. A probe is
+  ``AR_PROBE_EVERY`` steps keeps that cost current, both the rarer the
+  further the estimate is from break-even (``probe_every``). A probe is
   ``PROBE_STEPS`` steps in a row, and the engine measures no step whose
   kind or batch size differs from the step applied before it: such a
   cycle carries the other kind's host work and its wait for the GPU (on
@@ -49,6 +50,12 @@ PROBE_EVERY = 16  # autoregressive steps between two speculative probes
 # batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
 AR_PROBE_EVERY = 64
 PROBE_STEPS = 2  # a probe's steps in a row: its first is not measured (it follows the other kind)
+# A probe of the losing kind costs what that kind loses: the further the
+# estimate is from break-even, the rarer the probes, by the square of the
+# winner's advantage, up to this many steps apart (on the H200 at c=64 T=1,
+# where a speculative step emitted 3x fewer tokens a second, spec probes
+# every 16 steps cost 13 % of the throughput).
+MAX_PROBE_EVERY = 256
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
 
 
@@ -83,12 +90,14 @@ class SpecPolicy:
             return True, False
         if t_ar is None:
             return False, False
-        if self.since_probe >= PROBE_EVERY:
-            return True, True
-        if self.since_ar >= AR_PROBE_EVERY:
-            return False, True  # keeps the autoregressive cost current (the batch's load changes it)
         tokens = self.emitted.get(_kind(kind), 1.0 + 0.5 * (self.block_size - 1))
-        return tokens / t_spec > MARGIN / t_ar, False
+        advantage = tokens * t_ar / t_spec  # speculation's tokens a second over autoregressive's
+        spec = advantage > MARGIN
+        if not spec and self.since_probe >= probe_every(PROBE_EVERY, 1 / advantage):
+            return True, True
+        if spec and self.since_ar >= probe_every(AR_PROBE_EVERY, advantage):
+            return False, True  # keeps the autoregressive cost current (the batch's load changes it)
+        return spec, False
 
     def observe(self, n_padded: int, spec: bool, seconds: float, kind: str, tokens_per_row: float | None,
                 rows: int = 1) -> None:
@@ -114,6 +123,12 @@ class SpecPolicy:
         return {"speculative_steps": self.choices[True], "autoregressive_steps": self.choices[False],
                 "tokens_per_speculative_row": dict(self.emitted),
                 "step_ms": {f"{n}{'s' if s else 'a'}": round(1000 * t, 4) for (n, s), t in sorted(self.cost.items())}}
+
+
+def probe_every(base: int, advantage: float) -> int:
+    """Steps between probes of the losing kind when the winner emits
+    ``advantage`` times its tokens a second."""
+    return int(min(MAX_PROBE_EVERY, base * max(1.0, advantage) ** 2))
 
 
 def _kind(kind: str) -> str:

@@ -101,10 +101,32 @@ def test_gpu_async_steps_match_cpu(ckpt, drafter):
               max_model_len=512, **kw)
     gpu = llm.generate(PROMPTS, greedy)
     assert llm.engine.num_async_steps > 0
+    graphs = llm.engine._step_graphs[("greedy", 0)]
+    assert sorted(graphs.graphs) == graphs.sizes  # every batch size captured at the kind's first step
     assert [o.token_ids for o in gpu] == generate(ckpt, drafter, "cpu", "float32", greedy)
     if drafter:
         cpu = acceptance(ckpt, "cpu", greedy, **kw)
         assert [o.metrics.acceptance_lengths for o in gpu] == cpu
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_gpu_finished_rows_ride_the_chain_and_match_cpu(ckpt, drafter):
+    """More requests than max_num_seqs, ending at different steps: a chain
+    runs on past finished rows (freed, replayed as padding) until a third
+    of its rows finished, then admits the waiting ones; the CPU's
+    synchronous steps give the same tokens."""
+    prompts = PROMPTS * 3
+    params = [SamplingParams(max_tokens=8 + 7 * (i % 5) + i, temperature=0, ignore_eos=True)
+              for i in range(len(prompts))]
+    cpu = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cpu", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, max_num_seqs=6)
+    want = [o.token_ids for o in cpu.generate(prompts, params)]
+    llm = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, max_num_seqs=6, cuda_graphs=True, async_scheduling=True,
+              adaptive_speculation=False, chain_finished_fraction=0.34, admit_wait_ms=1e6)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    sched = llm.engine.scheduler
+    assert sched.target_pool.num_free == sched.target_pool.capacity
 
 
 @pytest.mark.parametrize("sampled_", [False, True], ids=["greedy", "sampled"])

@@ -11,7 +11,7 @@ from factories import make_models
 from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
 from specray.async_decode import AsyncSteps, InflightStep
-from specray.spec_policy import AR_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, SpecPolicy
+from specray.spec_policy import AR_PROBE_EVERY, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, SpecPolicy, probe_every
 
 PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]
 MAX_TOKENS = [30, 24, 17, 33, 20]
@@ -51,8 +51,9 @@ def test_policy_probes_autoregressive_steps_while_speculating():
     p = SpecPolicy(block_size=16)
     p.observe(16, True, 0.0027, "greedy", 2.9)
     p.observe(16, False, 0.0023, "greedy", None)  # measured cold: an autoregressive step costs less
-    picks = [p.choose(16, "greedy") for _ in range(2 * (AR_PROBE_EVERY + PROBE_STEPS))]
-    assert picks == ([True] * AR_PROBE_EVERY + [False] * PROBE_STEPS) * 2  # a probe is steps in a row
+    every = probe_every(AR_PROBE_EVERY, 2.9 * 0.0023 / 0.0027)  # speculation's advantage: 2.47x
+    picks = [p.choose(16, "greedy") for _ in range(2 * (every + PROBE_STEPS))]
+    assert picks == ([True] * every + [False] * PROBE_STEPS) * 2  # a probe is steps in a row
     # the probe finds the cheaper autoregressive step, and the policy follows it
     p.observe(16, False, 0.0009, "greedy", None)
     assert not p.choose(16, "greedy")
@@ -74,21 +75,34 @@ def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
             p.observe(1, True, 0.00143, "sampled", 1 if rng.random() < 0.5 else rng.choice([2, 3, 4]), rows=1)
         else:
             p.observe(1, False, 0.00102, "sampled", None)
-    # the autoregressive probes: PROBE_STEPS in AR_PROBE_EVERY + PROBE_STEPS
-    assert sum(picks[100:]) / len(picks[100:]) > 0.96
+    # the autoregressive probes: PROBE_STEPS in probe_every(AR_PROBE_EVERY, ~1.4) + PROBE_STEPS
+    assert sum(picks[100:]) / len(picks[100:]) > 0.97
 
 
 def test_policy_probes_while_autoregressive():
     p = SpecPolicy(block_size=16)
     p.observe(4, True, 0.01, "greedy", 1.1)
     p.observe(4, False, 0.001, "greedy", None)
-    picks = [p.choose(4, "greedy") for _ in range(3 * (PROBE_EVERY + PROBE_STEPS))]
-    assert picks == ([False] * PROBE_EVERY + [True] * PROBE_STEPS) * 3
+    every = probe_every(PROBE_EVERY, 1 / (1.1 * 0.001 / 0.01))  # speculation 9x slower: rare probes
+    assert every == MAX_PROBE_EVERY
+    picks = [p.choose(4, "greedy") for _ in range(3 * (every + PROBE_STEPS))]
+    assert picks == ([False] * every + [True] * PROBE_STEPS) * 3
     # probes that find cheap steps and high acceptance turn speculation on
     for _ in range(20):
         p.observe(4, True, 0.001, "greedy", 8.0)
     p.since_probe = 0
     assert p.choose(4, "greedy")
+
+
+def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
+    assert probe_every(PROBE_EVERY, 1.0) == PROBE_EVERY  # near break-even: the base cadence
+    assert probe_every(PROBE_EVERY, 2.0) == 4 * PROBE_EVERY
+    assert probe_every(AR_PROBE_EVERY, 10.0) == MAX_PROBE_EVERY
+    p = SpecPolicy(block_size=16)
+    p.observe(8, True, 0.002, "greedy", 1.9)  # 1.9 tokens in 2 ms against 1 in 1 ms: AR, by 1.05x
+    p.observe(8, False, 0.001, "greedy", None)
+    picks = [p.choose(8, "greedy") for _ in range(PROBE_EVERY + 4)]
+    assert picks.index(True) == probe_every(PROBE_EVERY, 1 / 0.95) == 17
 
 
 def test_a_step_after_another_kind_is_not_timed():
