@@ -136,23 +136,22 @@ def summarize(outs: list, secs: float) -> dict:
             "mean_acceptance_length": sum(steps) / len(steps) if steps else None}
 
 
-def run_engine(llm, prompts: dict[int, list], args, temperature: float, on_point, captures=None) -> None:
-    eng = llm.engine
+def run_point(eng, prompts: list, args, temperature: float, c: int, captures=None) -> tuple[list, float, dict]:
+    """One timed point: the outputs, wall seconds and what its steps were."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
-    for c in args.concurrency:
-        if args.warmup:
-            # The point's own workload, untimed: under churn the batch sizes a
-            # point meets (and so the graphs it captures) depend on when its
-            # requests finish, which a shorter warm-up does not reproduce.
-            closed_loop(eng, prompts[c], params, c)
-        if getattr(eng, "oracle", None) is not None:
-            eng.oracle.stats = OracleStats()
-        before, cap = step_counters(eng), captures.snapshot() if captures else None
-        outs, secs = closed_loop(eng, prompts[c], params, c)
-        steps = step_summary(eng, before, secs)
-        if captures:
-            steps |= captures.since(cap)
-        on_point(c, outs, secs, steps)
+    if args.warmup:
+        # The point's own workload, untimed: under churn the batch sizes a
+        # point meets (and so the graphs it captures) depend on when its
+        # requests finish, which a shorter warm-up does not reproduce.
+        closed_loop(eng, prompts, params, c)
+    if getattr(eng, "oracle", None) is not None:
+        eng.oracle.stats = OracleStats()
+    before, cap = step_counters(eng), captures.snapshot() if captures else None
+    outs, secs = closed_loop(eng, prompts, params, c)
+    steps = step_summary(eng, before, secs)
+    if captures:
+        steps |= captures.since(cap)
+    return outs, secs, steps
 
 
 def release() -> None:
@@ -194,64 +193,80 @@ def sweep(args) -> dict:
     points: list[dict] = []
     tag = f"[{args.model}" + (f" ORACLE ACCEPTANCE {label}]" if label else "]")
 
-    # Pass 1: the target alone (the AR measurement; in oracle mode it also
-    # records the greedy continuations).
-    ar = LLM(target, None, **common)
+    # The target alone (the AR measurement; in oracle mode it also records
+    # the greedy continuations, so it runs first, whole).
+    interleave = args.interleave and not oracle_mode
+    mem = {"gpu_memory_utilization": args.gpu_memory_utilization or 0.4} if interleave and args.device != "cpu" else {}
+    ar = LLM(target, None, **(common | mem))
     vocab = ar.engine.target_spec.vocab_size
     prompts = workload(args, ar.tokenizer, vocab)
     oracle = Oracle(profile, vocab) if profile else None
     run["ar_features"] = ar.engine.features()
-    for temp in args.temperatures:
-        def ar_point(c, outs, secs, steps, temp=temp):
-            ar_points[(c, temp)] = {"summary": summarize(outs, secs), "outs": outs, "steps": steps}
-            if oracle is not None:
-                oracle.record_outputs(outs)
-            print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
-        run_engine(ar, prompts, args, temp, ar_point, captures)
-    ar.shutdown()
-    del ar  # the speculative engine gets the device's memory
-    release()
-    if torch.cuda.is_available():  # what the AR engine left allocated (should be ~0)
-        run["cuda_allocated_after_ar_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+    run["order"] = ("interleaved: each point AR then speculative, both engines resident" if interleave else
+                    "every AR point, then every speculative point")
 
-    # Pass 2: speculative.
-    spec = LLM(target, drafter, **common, **(ORACLE_ENGINE_SETTINGS if oracle else {}))
-    if oracle is not None:
-        install_oracle(spec.engine, oracle)
-    block = spec.engine.block_size
-    run["block_size"] = block
-    run["spec_features"] = spec.engine.features()
-    expected = profile.expected_length(block - 1) if profile else None
+    def ar_point(c, temp, outs, secs, steps):
+        ar_points[(c, temp)] = {"summary": summarize(outs, secs), "outs": outs, "steps": steps}
+        if oracle is not None:
+            oracle.record_outputs(outs)
+        print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
+
+    def spec_point(c, temp, outs, secs, steps):
+        s, a = summarize(outs, secs), ar_points[(c, temp)]
+        point = {"model": args.model, "oracle_acceptance": label, "concurrency": c, "temperature": temp,
+                 "spec_tok_s": round(s["tok_s"], 2), "ar_tok_s": round(a["summary"]["tok_s"], 2),
+                 "speedup": round(s["tok_s"] / a["summary"]["tok_s"], 3),
+                 "mean_acceptance_length": round(s["mean_acceptance_length"], 3)
+                 if s["mean_acceptance_length"] else None,
+                 "requests": len(outs), "max_tokens": args.max_tokens, "spec_tokens": s["tokens"],
+                 "ar_tokens": a["summary"]["tokens"], "spec_s": round(s["seconds"], 4),
+                 "ar_s": round(a["summary"]["seconds"], 4), "spec_steps": steps, "ar_steps": a["steps"]}
+        if temp == 0:
+            point["identical_outputs"] = sum(x.token_ids == y.token_ids for x, y in zip(outs, a["outs"]))
+        if oracle is not None:
+            # The profile's expectation with whole blocks; cut-short blocks
+            # near max_tokens measure a little lower.
+            point["expected_acceptance_length"] = round(expected, 3)
+            point["oracle"] = oracle.stats.as_dict()
+        points.append(point)
+        print(f"{tag} c={c} T={temp}: spec {point['spec_tok_s']:.1f} tok/s vs AR {point['ar_tok_s']:.1f} tok/s "
+              f"= {point['speedup']:.2f}x | acceptance {point['mean_acceptance_length']}"
+              + (f" (profile {expected:.2f})" if expected else "")
+              + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else "")
+              + f" | steps {steps['steps']} ({steps['wall_ms_per_step']} ms, {steps['async_steps']} async"
+              + (f", {steps['speculative_steps']} speculative" if "speculative_steps" in steps else "")
+              + f"; {steps.get('graph_captures', 0)} graph captures timed)", flush=True)
+        write(args, run, points)
+
+    def build_spec():
+        spec = LLM(target, drafter, **(common | mem), **(ORACLE_ENGINE_SETTINGS if oracle else {}))
+        if oracle is not None:
+            install_oracle(spec.engine, oracle)
+        run["block_size"] = spec.engine.block_size
+        run["spec_features"] = spec.engine.features()
+        return spec
+
+    if not interleave:
+        for temp in args.temperatures:
+            for c in args.concurrency:
+                ar_point(c, temp, *run_point(ar.engine, prompts[c], args, temp, c, captures))
+        ar.shutdown()
+        del ar  # the speculative engine gets the device's memory
+        release()
+        if torch.cuda.is_available():  # what the AR engine left allocated (should be ~0)
+            run["cuda_allocated_after_ar_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+    spec = build_spec()
+    expected = profile.expected_length(spec.engine.block_size - 1) if profile else None
     for temp in args.temperatures:
-        def spec_point(c, outs, secs, steps, temp=temp):
-            s, a = summarize(outs, secs), ar_points[(c, temp)]
-            point = {"model": args.model, "oracle_acceptance": label, "concurrency": c, "temperature": temp,
-                     "spec_tok_s": round(s["tok_s"], 2), "ar_tok_s": round(a["summary"]["tok_s"], 2),
-                     "speedup": round(s["tok_s"] / a["summary"]["tok_s"], 3),
-                     "mean_acceptance_length": round(s["mean_acceptance_length"], 3)
-                     if s["mean_acceptance_length"] else None,
-                     "requests": len(outs), "max_tokens": args.max_tokens, "spec_tokens": s["tokens"],
-                     "ar_tokens": a["summary"]["tokens"], "spec_s": round(s["seconds"], 4),
-                     "ar_s": round(a["summary"]["seconds"], 4), "spec_steps": steps, "ar_steps": a["steps"]}
-            if temp == 0:
-                point["identical_outputs"] = sum(x.token_ids == y.token_ids for x, y in zip(outs, a["outs"]))
-            if oracle is not None:
-                # The profile's expectation with whole blocks; cut-short blocks
-                # near max_tokens measure a little lower.
-                point["expected_acceptance_length"] = round(expected, 3)
-                point["oracle"] = oracle.stats.as_dict()
-            points.append(point)
-            print(f"{tag} c={c} T={temp}: spec {point['spec_tok_s']:.1f} tok/s vs AR {point['ar_tok_s']:.1f} tok/s "
-                  f"= {point['speedup']:.2f}x | acceptance {point['mean_acceptance_length']}"
-                  + (f" (profile {expected:.2f})" if expected else "")
-                  + (f" | identical {point['identical_outputs']}/{len(outs)}" if temp == 0 else "")
-                  + f" | steps {steps['steps']} ({steps['wall_ms_per_step']} ms, {steps['async_steps']} async"
-                  + (f", {steps['speculative_steps']} speculative" if "speculative_steps" in steps else "")
-                  + f"; {steps.get('graph_captures', 0)} graph captures timed)", flush=True)
-            write(args, run, points)
-        run_engine(spec, prompts, args, temp, spec_point, captures)
+        for c in args.concurrency:
+            if interleave:
+                ar_point(c, temp, *run_point(ar.engine, prompts[c], args, temp, c, captures))
+            spec_point(c, temp, *run_point(spec.engine, prompts[c], args, temp, c, captures))
     spec.shutdown()
     del spec
+    if interleave:
+        ar.shutdown()
+        del ar
     release()
     return write(args, run, points)
 
@@ -351,8 +366,12 @@ def main(argv=None) -> dict:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="both engines (default: the engine's, on with CUDA graphs on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float,
-                   help="both engines (they run one after the other; default: the engine's)")
+                   help="both engines (default: the engine's; 0.4 when --interleave keeps both resident)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="embedded: both engines resident (each at --gpu-memory-utilization, default 0.4), each "
+                        "point run AR then speculative back to back, so machine drift falls on both alike "
+                        "(oracle models always run every AR point first: they record its outputs)")
     p.add_argument("--fresh", action="store_true", help="overwrite --out instead of merging into it")
     p.add_argument("--out", default="results/concurrency_sweep.json")
     args = p.parse_args(argv)

@@ -442,7 +442,8 @@ class AsyncSteps:
         """Whether the chain goes on with ``rows - live`` finished rows as
         padding: while a request waits, until ``chain_finished_fraction``
         of the rows finished or the wait reached ``admit_wait_ms`` (a
-        request arriving with no row finished is admitted at once); with
+        request arriving with no row finished is admitted at once), and
+        no more than ``lone_prefills`` of them; with
         nothing waiting, until the live rows would fit a smaller graph."""
         from specray.actors.graphs import capture_sizes
 
@@ -453,8 +454,13 @@ class AsyncSteps:
             now = time.perf_counter()
             if self._pending_since is None:
                 self._pending_since = now
-            return 0 < finished < max(1.0, self.config.chain_finished_fraction * rows) and \
-                now - self._pending_since < self.config.admit_wait_ms / 1000
+            # No more than lone_prefills at a time: admitted together they
+            # are prefilled one a step through captured graphs, where a step
+            # of several prompts runs eagerly (on the H200, 17-50 ms a step).
+            limit = max(1.0, self.config.chain_finished_fraction * rows)
+            if self.config.lone_prefills:
+                limit = min(limit, self.config.lone_prefills)
+            return 0 < finished < limit and now - self._pending_since < self.config.admit_wait_ms / 1000
         sizes = capture_sizes(self.config.max_num_seqs)
         return next(s for s in sizes if s >= live) == next(s for s in sizes if s >= rows)
 

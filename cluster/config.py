@@ -394,13 +394,6 @@ class EngineConfig:
     # ~1 ms of GPU). 0: off. GPUs only: off CUDA the graphs' padding is
     # only more compute.
     lone_prefills: int = 4
-    # A chain of asynchronous steps runs on past its finished rows (their
-    # blocks freed, the rows replayed as padding, their results dropped)
-    # while a waiting request would be admitted, until this fraction of its
-    # rows has finished or the first of them waited admit_wait_ms; then it
-    # drains once and the waiting requests are admitted together. Draining
-    # at every finish cost a synchronous step a request under churn (on the
-    # H200 at c=64, 47 of 175 steps). 0: drain at the first finish.
     # The first step of each sampling kind (greedy, sampled, filtered; its
     # speculative and autoregressive steps apart) captures that kind's whole-
     # step graph at every padded batch size at once, where the batch sizes
@@ -408,6 +401,14 @@ class EngineConfig:
     # H200 under churn such captures were 0.7 of a 1.6 s point). Rank 0's
     # own graphs only (peers capture their halves as the sizes come).
     capture_all_batch_sizes: bool = True
+    # A chain of asynchronous steps runs on past its finished rows (their
+    # blocks freed, the rows replayed as padding, their results dropped)
+    # while a waiting request would be admitted, until this fraction of its
+    # rows (at most lone_prefills of them) has finished or the first of them
+    # waited admit_wait_ms; then it drains once and the waiting requests are
+    # admitted together. Draining at every finish cost a synchronous step a
+    # request under churn (on the H200 at c=64, 47 of 175 steps). 0: drain
+    # at the first finish.
     chain_finished_fraction: float = 0.125
     admit_wait_ms: float = 20.0
     # Load-adaptive speculation (spec_policy.py): each async step verifies
