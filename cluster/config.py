@@ -401,15 +401,18 @@ class EngineConfig:
     # H200 under churn such captures were 0.7 of a 1.6 s point). Rank 0's
     # own graphs only (peers capture their halves as the sizes come).
     capture_all_batch_sizes: bool = True
-    # A chain of asynchronous steps runs on past its finished rows (their
+    # A chain of asynchronous steps may run on past its finished rows (their
     # blocks freed, the rows replayed as padding, their results dropped)
     # while a waiting request would be admitted, until this fraction of its
     # rows (at most lone_prefills of them) has finished or the first of them
     # waited admit_wait_ms; then it drains once and the waiting requests are
-    # admitted together. Draining at every finish cost a synchronous step a
-    # request under churn (on the H200 at c=64, 47 of 175 steps). 0: drain
-    # at the first finish.
-    chain_finished_fraction: float = 0.125
+    # admitted together. 0 (the default): a chain drains at its first
+    # finished row. Off by default because it did not pay on the H200: the
+    # admitted prompts still cost a prefill step each, and more rows
+    # finishing in one step than lone_prefills sent them through an eager
+    # step of several prompts (c=64 T=0, interleaved sweep: 0.40x of AR
+    # with 0.125, 0.72x with 0; results/README.md).
+    chain_finished_fraction: float = 0.0
     admit_wait_ms: float = 20.0
     # Load-adaptive speculation (spec_policy.py): each async step verifies
     # the drafter's block or runs autoregressively, whichever the measured
