@@ -27,6 +27,11 @@ def capture_sizes(max_seqs: int) -> list[int]:
     return sizes + [max_seqs]
 
 
+def padded_size(n: int, max_seqs: int) -> int:
+    """The captured batch size a batch of ``n`` sequences runs at."""
+    return next(s for s in capture_sizes(max_seqs) if s >= n)
+
+
 class DecodeGraphs:
     """Static buffers + one graph per padded batch size.
 

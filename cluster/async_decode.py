@@ -325,9 +325,9 @@ class AsyncSteps:
         """Whether the next step of these rows verifies drafts (spec_policy.py)."""
         if self.policy is None:
             return True
-        from specray.actors.graphs import capture_sizes
+        from specray.actors.graphs import padded_size
 
-        padded = next(s for s in capture_sizes(self.config.max_num_seqs) if s >= len(requests))
+        padded = padded_size(len(requests), self.config.max_num_seqs)
         kind = "greedy" if all(r.params.greedy for r in requests) else "sampled"
         return self.policy.choose(padded, kind)
 
@@ -421,14 +421,15 @@ class AsyncSteps:
         riding = len(live) < len(requests) or pending
         if riding and not self._finished_rows_ride(len(requests), len(live), pending):
             return self._drain()
+        # ``prev`` emits at least one token, the last: without padding rows a
+        # row with one token left would run a step past its end.
+        last_token_ends = not self._rows_may_finish()
         for r in live:
             # The host's view lags ``prev``: it may advance by up to B, and
             # its next block needs B rows more.
             if r.num_computed + 2 * B > self.max_model_len:
                 return self._drain()
-            # ``prev`` emits at least one token, the last: without padding
-            # rows the row would run a step past its end.
-            if not self._rows_may_finish() and r.params.max_tokens - len(r.output_token_ids) <= 1:
+            if last_token_ends and r.params.max_tokens - len(r.output_token_ids) <= 1:
                 return self._drain()
         return all(sched.reserve(r, r.num_computed + 2 * B) for r in live) or self._drain()
 
@@ -445,7 +446,7 @@ class AsyncSteps:
         request arriving with no row finished is admitted at once), and
         no more than ``lone_prefills`` of them; with
         nothing waiting, until the live rows would fit a smaller graph."""
-        from specray.actors.graphs import capture_sizes
+        from specray.actors.graphs import padded_size
 
         if not self._rows_may_finish():
             return False
@@ -461,8 +462,7 @@ class AsyncSteps:
             if self.config.lone_prefills:
                 limit = min(limit, self.config.lone_prefills)
             return 0 < finished < limit and now - self._pending_since < self.config.admit_wait_ms / 1000
-        sizes = capture_sizes(self.config.max_num_seqs)
-        return next(s for s in sizes if s >= live) == next(s for s in sizes if s >= rows)
+        return padded_size(live, self.config.max_num_seqs) == padded_size(rows, self.config.max_num_seqs)
 
     def _drain(self) -> bool:
         self._pending_since = None
