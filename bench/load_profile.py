@@ -38,35 +38,6 @@ from specray import LLM, SamplingParams
 from specray.bench import load_prompts
 
 
-def chain_break_counter(engine) -> Counter:
-    """Counts why ``_can_chain`` refused, by the first rule that failed
-    (the engine's own check runs unchanged; this re-reads its inputs)."""
-    reasons: Counter = Counter()
-    inner = engine._can_chain
-
-    def can_chain(requests):
-        ok = inner(requests)
-        if not ok:
-            sched, B = engine.scheduler, engine.block_size
-            if len(sched.running) != len(requests):
-                why = "rows changed"
-            elif sched.could_admit(len(requests) * B):
-                why = "admission fits"
-            elif any(r.finished for r in requests):
-                why = "a row finished"
-            elif any(r.num_computed + 2 * B > engine.max_model_len for r in requests):
-                why = "length limit"
-            elif any(r.params.max_tokens - len(r.output_token_ids) <= 1 for r in requests):
-                why = "max_tokens next"
-            else:
-                why = "no room to reserve"
-            reasons[why] += 1
-        return ok
-
-    engine._can_chain = can_chain
-    return reasons
-
-
 def host_top(prof: cProfile.Profile, n: int, key: str = "own_ms", files: str | None = None) -> list[dict]:
     """The ``n`` functions with the most ``key`` time ("own_ms" or
     "cum_ms"), of files whose path contains ``files`` (all: None)."""
@@ -86,14 +57,14 @@ def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures
         if eng.policy is None:
             raise SystemExit(f"forced_ar needs the adaptive policy: {eng.features().get('adaptive_speculation')}")
         eng.policy.choose = lambda n, kind: False
-    reasons = chain_break_counter(eng)
     closed_loop(eng, prompts, params, c)  # untimed: graphs captured, kernels compiled
-    reasons.clear()
+    breaks = Counter(eng.chain_breaks)
     before, cap = step_counters(eng), captures.snapshot()
     outs, secs = closed_loop(eng, prompts, params, c)
     tokens = sum(len(o.token_ids) for o in outs)
     out = {"tok_s": round(tokens / secs, 1), "seconds": round(secs, 4), "tokens": tokens,
-           "steps": step_summary(eng, before, secs) | captures.since(cap), "chain_breaks": dict(reasons)}
+           "steps": step_summary(eng, before, secs) | captures.since(cap),
+           "chain_breaks": dict(eng.chain_breaks - breaks)}
     acc = [a for o in outs for a in o.metrics.acceptance_lengths]
     out["mean_acceptance_length"] = round(sum(acc) / len(acc), 3) if acc else None
     prof = cProfile.Profile()

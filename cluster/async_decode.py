@@ -416,11 +416,11 @@ class AsyncSteps:
         sched, B = self.scheduler, self.block_size
         live = [r for r in requests if not r.finished]
         if not live or len(sched.running) != len(live):
-            return self._drain()
+            return self._drain("rows changed")
         pending = sched.could_admit(len(live) * B)
         riding = len(live) < len(requests) or pending
         if riding and not self._finished_rows_ride(len(requests), len(live), pending):
-            return self._drain()
+            return self._drain("admission" if pending else "a row finished")
         # ``prev`` emits at least one token, the last: without padding rows a
         # row with one token left would run a step past its end.
         last_token_ends = not self._rows_may_finish()
@@ -428,10 +428,10 @@ class AsyncSteps:
             # The host's view lags ``prev``: it may advance by up to B, and
             # its next block needs B rows more.
             if r.num_computed + 2 * B > self.max_model_len:
-                return self._drain()
+                return self._drain("length limit")
             if last_token_ends and r.params.max_tokens - len(r.output_token_ids) <= 1:
-                return self._drain()
-        return all(sched.reserve(r, r.num_computed + 2 * B) for r in live) or self._drain()
+                return self._drain("max_tokens next")
+        return all(sched.reserve(r, r.num_computed + 2 * B) for r in live) or self._drain("no room to reserve")
 
     def _rows_may_finish(self) -> bool:
         """Whether a chain may run on past finished rows: one lane, rank 0's
@@ -464,8 +464,10 @@ class AsyncSteps:
             return 0 < finished < limit and now - self._pending_since < self.config.admit_wait_ms / 1000
         return padded_size(live, self.config.max_num_seqs) == padded_size(rows, self.config.max_num_seqs)
 
-    def _drain(self) -> bool:
+    def _drain(self, why: str) -> bool:
+        """Ends the chain; ``chain_breaks`` counts why (bench/load_profile.py)."""
         self._pending_since = None
+        self.chain_breaks[why] += 1
         return False
 
     def _apply_inflight(self, step: InflightStep, chained: bool) -> list[RequestOutput]:

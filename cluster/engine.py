@@ -21,6 +21,7 @@ import copy
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._pending_since: float | None = None  # when a waiting request could first have been admitted
+        self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
 
     # ----------------------------------------------------------- admission

@@ -448,6 +448,9 @@ def test_finished_rows_ride_the_chain_until_admission_pays(models, drafter):
         for k in want:
             assert got[k].token_ids == want[k].token_ids == eager[k].token_ids, (kind, k)
         assert riding < drains, (kind, riding, drains)
+        # every drain is counted under the rule that ended its chain
+        assert 0 < sum(eng.chain_breaks.values()) and set(eng.chain_breaks) <= \
+            {"rows changed", "admission", "a row finished", "length limit", "max_tokens next", "no room to reserve"}
         sched = eng.scheduler
         assert sched.target_pool.num_free == sched.target_pool.capacity
         if drafter:
