@@ -180,7 +180,7 @@ def sweep(args) -> dict:
     # Left out: the engine's defaults (on a GPU: CUDA graphs, asynchronous steps).
     common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling),
                                  ("gpu_memory_utilization", args.gpu_memory_utilization),
-                                 ("chain_finished_fraction", args.chain_finished_fraction)) if v is not None}
+                                 ("admit_into_chain", args.admit_into_chain)) if v is not None}
     run = {"model": args.model, "oracle_acceptance": label, "target": target, "drafter": drafter,
            "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds,
            "concurrency": args.concurrency, "temperatures": args.temperatures,
@@ -368,8 +368,8 @@ def main(argv=None) -> dict:
                    help="both engines (default: the engine's, on with CUDA graphs on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="both engines (default: the engine's; 0.4 when --interleave keeps both resident)")
-    p.add_argument("--chain-finished-fraction", type=float,
-                   help="both engines (default: the engine's; 0: a chain drains at its first finished row)")
+    p.add_argument("--admit-into-chain", action=argparse.BooleanOptionalAction, default=None,
+                   help="both engines (default: the engine's, on): waiting requests join running chains")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="embedded: both engines resident (each at --gpu-memory-utilization, default 0.4), each "

@@ -58,13 +58,13 @@ def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures
             raise SystemExit(f"forced_ar needs the adaptive policy: {eng.features().get('adaptive_speculation')}")
         eng.policy.choose = lambda n, kind: False
     closed_loop(eng, prompts, params, c)  # untimed: graphs captured, kernels compiled
-    breaks = Counter(eng.chain_breaks)
+    breaks, joins = Counter(eng.chain_breaks), eng.num_chain_joins
     before, cap = step_counters(eng), captures.snapshot()
     outs, secs = closed_loop(eng, prompts, params, c)
     tokens = sum(len(o.token_ids) for o in outs)
     out = {"tok_s": round(tokens / secs, 1), "seconds": round(secs, 4), "tokens": tokens,
            "steps": step_summary(eng, before, secs) | captures.since(cap),
-           "chain_breaks": dict(eng.chain_breaks - breaks)}
+           "chain_breaks": dict(eng.chain_breaks - breaks), "chain_joins": eng.num_chain_joins - joins}
     acc = [a for o in outs for a in o.metrics.acceptance_lengths]
     out["mean_acceptance_length"] = round(sum(acc) / len(acc), 3) if acc else None
     prof = cProfile.Profile()
@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
         s = v["steps"]
         print(f"{name}: {v['tok_s']} tok/s, {s['steps']} steps, async {s['async_steps']} at "
               f"{s['async_wall_ms_per_step']} ms (GPU {s['async_gpu_ms_per_step']}), other {s['other_steps']} at "
-              f"{s['other_ms_per_step']} ms, breaks {v['chain_breaks']}, {s['graph_captures']} captures timed", flush=True)
+              f"{s['other_ms_per_step']} ms, breaks {v['chain_breaks']}, joins {v['chain_joins']}, {s['graph_captures']} captures timed", flush=True)
         llm.shutdown()
         del llm
         gc.collect()

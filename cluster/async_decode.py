@@ -38,8 +38,8 @@ import torch
 from specray.actors.kv_cache import block_table_tensor
 from specray.faults import drafter_part, fail_request, format_error
 from specray.request import Request, RequestOutput
-from specray.sampling import SamplingTensors, any_filter, seed_keys
-from specray.staging import host_to_device
+from specray.chain_admit import may_join
+from specray.chain_rows import batch_mode, first_inputs, join_rows, write_history
 
 
 @dataclass
@@ -74,43 +74,9 @@ class InflightStep:
         return [(r[0], r[1], bool(r[2]), r[3:]) for r in self.results.tolist()]
 
 
-def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> InflightStep | None:
-    """The first decode step of the requests whose prompts the synchronous
-    step ``plan`` finished, launched before the host reads their first
-    tokens (``first_tokens`` ``[P]`` on the device, in ``plan.prefill``'s
-    order): the drafter's context store of the step's rows, then one step
-    graph replay whose rows open with those tokens. The host's launch then
-    overlaps the GPU's prefill, where it waited for the token first (the
-    speculative engine's store and first launch cost the H200's host ~1.3 ms
-    a request with the GPU idle). None where the next step must be
-    synchronous, by the rules a running chain follows (``_can_chain``)."""
-    sched, B = core.scheduler, core.block_size
-    requests = [p.request for p in plan.prefill]
-    if plan.decode or plan.preempted or not requests:
-        return None
-    if core.drafter is not None and not getattr(core.drafter, "local_model", False):
-        return None  # the first tokens are on rank 0's device, not the drafter's
-    if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
-            not core.async_capable(requests):
-        return None
-    for p in plan.prefill:
-        r = p.request
-        # Its first token must leave it a token to emit, and its next block room.
-        if not p.samples_first_token or sched.emit_budget(r) < 2 or \
-                r.num_tokens + 2 * B > core.max_model_len:
-            return None
-    if not all(sched.reserve(r, r.num_tokens + B) for r in requests):
-        return None  # what was reserved is trimmed when the prefill commits
-    core.begin_chain()
-    if core.drafter is not None:  # the step's rows are the prompts' rows, in order
-        positions = [i for p in plan.prefill for i in range(p.start, p.end)]
-        slots = [s for p in plan.prefill for s in p.request.draft_blocks.slots(p.start, p.end)]
-        core.store_context(None, positions, slots)
-    return launch_decode(core, requests, chained=False, first_tokens=first_tokens)
-
-
 def launch_decode(core, requests: list[Request], chained: bool,
-                  first_tokens: torch.Tensor | None = None, lane: int = 0, spec: bool = True) -> InflightStep:
+                  first_tokens: torch.Tensor | None = None, lane: int = 0, spec: bool = True,
+                  joined: tuple[int, ...] = ()) -> InflightStep:
     """Enqueue one step graph replay (actors/step_graph.py) for
     ``requests``: a first step loads each row's start and last token from
     the host (or, with ``first_tokens`` ``[S]`` on the device, opens each
@@ -120,47 +86,28 @@ def launch_decode(core, requests: list[Request], chained: bool,
     that end write K/V nothing reads, into the row's last block or the
     reserved block 0). ``lane``: the micro-batch, whose graphs replay on
     its own CUDA stream (``EngineCore.lane_stream``). ``spec=False``: an
-    autoregressive step (one row a request; the drafter stores its context)."""
+    autoregressive step (one row a request; the drafter stores its context).
+    ``joined``: the rows of a chained step whose requests join the chain
+    here, their first tokens ``first_tokens`` on the device (chain_admit.py)."""
     with core.lane_stream(lane):
-        return _launch(core, requests, chained, first_tokens, lane, spec)
+        return _launch(core, requests, chained, first_tokens, lane, spec, joined)
 
 
-def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
-    params = [r.params for r in requests]
-    vocab = core.target_spec.vocab_size
-    mode = "greedy" if all(p.greedy for p in params) else "filtered" if any_filter(params, vocab) else "sampled"
+def _launch(core, requests, chained, first_tokens, lane, spec, joined=()) -> InflightStep:
+    mode = batch_mode(requests, core.target_spec.vocab_size)
     new_kind = not core.has_step_graphs(mode, lane, spec)
     graphs = core.step_graphs(mode, lane, spec)
     dev = core.device
     inputs, uploads = {}, None
-    after_prefill = first_tokens is not None
     if not chained:
-        starts = [r.num_tokens if after_prefill else r.num_computed for r in requests]
-        inputs["start"] = torch.tensor(starts, dtype=torch.int64)
-        inputs["last"] = first_tokens if after_prefill else \
-            torch.tensor([r.output_token_ids[-1] for r in requests], dtype=torch.int64)
-        inputs["real"] = torch.ones(len(requests), dtype=torch.bool)
-        # Both bounds of the scheduler's (max_tokens, max_model_len) fall by
-        # the tokens each step emits, so the device keeps it exact.
-        budgets = [core.scheduler.emit_budget(r) - after_prefill for r in requests]
-        inputs["budget"] = torch.tensor(budgets)
-        kv = core.config.kv_block_size
-        for r, start, budget in zip(requests, starts, budgets):
-            # Unreserved rows would write their K/V into block 0 and read back nothing.
-            if len(r.target_blocks.blocks) * kv < start + min(core.block_size, budget):
-                raise RuntimeError(f"request {r.request_id}: blocks not reserved through its first step's block")
-        if mode != "greedy":
-            st = SamplingTensors.build(params, [r.seed for r in requests], starts, 0, vocab_size=vocab)
-            inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
-                       "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
-        if "oracle_seq" in graphs.buffers:  # oracle acceptance (oracle.py)
-            inputs |= core.oracle.chain_inputs(requests, starts)
-        if "history" in graphs.buffers or (core.drafter is not None and core.config.prompt_lookup_min):
-            inputs["slot"], uploads = core.history_slots.prepare(requests, core.scheduler.running)
-    elif any(r.finished for r in requests):
-        # Finished rows ride as padding (EngineCore._can_chain): freed, their
-        # tables are empty (block 0), and ``real`` off restarts them at 0.
-        inputs["real"] = torch.tensor([not r.finished for r in requests], dtype=torch.bool)
+        inputs, uploads = first_inputs(core, requests, first_tokens, mode, graphs)
+    else:
+        if joined:  # their rows' state is written in place; the others' stays the device's
+            join_rows(core, graphs, requests, joined, first_tokens, mode)
+        if joined or any(r.finished for r in requests):
+            # Finished rows ride as padding (EngineCore._can_chain): freed, their
+            # tables are empty (block 0), and ``real`` off restarts them at 0.
+            inputs["real"] = torch.tensor([not r.finished for r in requests], dtype=torch.bool)
     # Tables change only when a row crosses into a new block: upload them then.
     tables = [r.target_blocks.blocks for r in requests]
     if not chained or tables != core.uploaded_tables[lane]:
@@ -174,12 +121,7 @@ def _launch(core, requests, chained, first_tokens, lane, spec) -> InflightStep:
     core.announce_step(len(requests), mode, chained, inputs, spec, lane)
     inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}
     if uploads is not None:
-        rows, cols, tokens = host_to_device(uploads, dev)
-        history = graphs.buffers["history"]
-        history.index_put_((rows, cols), tokens)
-        if after_prefill:  # the first tokens, after the prompts the rows hold now
-            rows, cols = host_to_device(torch.stack([inputs["slot"], inputs["start"]]), dev)
-            history.index_put_((rows, cols), first_tokens.to(history.dtype))
+        write_history(graphs, inputs, uploads, first_tokens)
     timed = core.config.profile_steps or core.policy is not None
     timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
         if timed and dev.type == "cuda" else None
@@ -398,7 +340,6 @@ class AsyncSteps:
         self.uploaded_tables = [[], []]
 
     def begin_chain(self) -> None:
-        self._pending_since = None
         self._observed_kind = None  # a chain's first cycle waits for its first step whole: not timed
         for w in self._peers():
             if hasattr(w, "begin_chain"):
@@ -410,17 +351,20 @@ class AsyncSteps:
         launched before their results are applied: the rows still running
         (finished ones ride along as padding while ``_finished_rows_ride``
         allows), none near a length limit, no waiting request that
-        scheduling would admit now (one that does not fit waits for a finish,
-        which drains) unless finished rows hold its place, and room to
-        reserve every row's blocks two verify blocks ahead."""
+        scheduling would admit now unless it may join the chain
+        (``_join_next``: chain_admit.py; one that does not fit waits for a
+        finish, which drains), and room to reserve every row's blocks two
+        verify blocks ahead."""
         sched, B = self.scheduler, self.block_size
+        self._join_next = False
         live = [r for r in requests if not r.finished]
         if not live or len(sched.running) != len(live):
             return self._drain("rows changed")
-        pending = sched.could_admit(len(live) * B)
-        riding = len(live) < len(requests) or pending
-        if riding and not self._finished_rows_ride(len(requests), len(live), pending):
-            return self._drain("admission" if pending else "a row finished")
+        joins = self._rows_may_finish() and may_join(self, requests)
+        if not joins and sched.could_admit(len(live) * B):
+            return self._drain("admission")
+        if len(live) < len(requests) and not self._finished_rows_ride(len(requests), len(live), joins):
+            return self._drain("a row finished")
         # ``prev`` emits at least one token, the last: without padding rows a
         # row with one token left would run a step past its end.
         last_token_ends = not self._rows_may_finish()
@@ -431,42 +375,30 @@ class AsyncSteps:
                 return self._drain("length limit")
             if last_token_ends and r.params.max_tokens - len(r.output_token_ids) <= 1:
                 return self._drain("max_tokens next")
-        return all(sched.reserve(r, r.num_computed + 2 * B) for r in live) or self._drain("no room to reserve")
+        if not all(sched.reserve(r, r.num_computed + 2 * B) for r in live):
+            return self._drain("no room to reserve")
+        self._join_next = joins
+        return True
 
     def _rows_may_finish(self) -> bool:
-        """Whether a chain may run on past finished rows: one lane, rank 0's
-        own graphs (a drafter or TP followers in other processes keep row
-        state of their own, which no padding write reaches)."""
-        return self.config.chain_finished_fraction > 0 and len(self._inflight) <= 1 and not self._peers()
+        """Whether a chain may run on past finished rows and admit requests
+        into finished rows' places: one lane, rank 0's own graphs (a drafter
+        or TP followers in other processes keep row state of their own,
+        which no padding or joining write reaches)."""
+        return self.config.admit_into_chain and len(self._inflight) <= 1 and not self._peers()
 
-    def _finished_rows_ride(self, rows: int, live: int, pending: bool) -> bool:
+    def _finished_rows_ride(self, rows: int, live: int, joins: bool) -> bool:
         """Whether the chain goes on with ``rows - live`` finished rows as
-        padding: while a request waits, until ``chain_finished_fraction``
-        of the rows finished or the wait reached ``admit_wait_ms`` (a
-        request arriving with no row finished is admitted at once), and
-        no more than ``lone_prefills`` of them; with
-        nothing waiting, until the live rows would fit a smaller graph."""
+        padding: while a waiting request may join it (into a finished row's
+        place), else until the live rows would fit a smaller graph."""
         from specray.actors.graphs import padded_size
 
         if not self._rows_may_finish():
             return False
-        finished = rows - live
-        if pending:
-            now = time.perf_counter()
-            if self._pending_since is None:
-                self._pending_since = now
-            # No more than lone_prefills at a time: admitted together they
-            # are prefilled one a step through captured graphs, where a step
-            # of several prompts runs eagerly (on the H200, 17-50 ms a step).
-            limit = max(1.0, self.config.chain_finished_fraction * rows)
-            if self.config.lone_prefills:
-                limit = min(limit, self.config.lone_prefills)
-            return 0 < finished < limit and now - self._pending_since < self.config.admit_wait_ms / 1000
-        return padded_size(live, self.config.max_num_seqs) == padded_size(rows, self.config.max_num_seqs)
+        return joins or padded_size(live, self.config.max_num_seqs) == padded_size(rows, self.config.max_num_seqs)
 
     def _drain(self, why: str) -> bool:
         """Ends the chain; ``chain_breaks`` counts why (bench/load_profile.py)."""
-        self._pending_since = None
         self.chain_breaks[why] += 1
         return False
 

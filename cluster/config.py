@@ -401,19 +401,13 @@ class EngineConfig:
     # H200 under churn such captures were 0.7 of a 1.6 s point). Rank 0's
     # own graphs only (peers capture their halves as the sizes come).
     capture_all_batch_sizes: bool = True
-    # A chain of asynchronous steps may run on past its finished rows (their
-    # blocks freed, the rows replayed as padding, their results dropped)
-    # while a waiting request would be admitted, until this fraction of its
-    # rows (at most lone_prefills of them) has finished or the first of them
-    # waited admit_wait_ms; then it drains once and the waiting requests are
-    # admitted together. 0 (the default): a chain drains at its first
-    # finished row. Off by default because it did not pay on the H200: the
-    # admitted prompts still cost a prefill step each, and more rows
-    # finishing in one step than lone_prefills sent them through an eager
-    # step of several prompts (c=64 T=0, interleaved sweep: 0.40x of AR
-    # with 0.125, 0.72x with 0; results/README.md).
-    chain_finished_fraction: float = 0.0
-    admit_wait_ms: float = 20.0
+    # A waiting request joins a running chain of asynchronous steps in a
+    # finished row's place (or as a row more) instead of draining it: its
+    # prompt is prefilled alone behind the step in flight, its row's state
+    # written on the device (chain_admit.py); finished rows ride as padding
+    # meanwhile. One lane and rank 0's own graphs only (a drafter or TP
+    # followers in other processes keep row state of their own).
+    admit_into_chain: bool = True
     # Load-adaptive speculation (spec_policy.py): each async step verifies
     # the drafter's block or runs autoregressively, whichever the measured
     # step times and acceptance say emits more tokens per second. None: on
@@ -451,10 +445,6 @@ class EngineConfig:
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k", "overlap_min_batch"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.chain_finished_fraction <= 1:
-            raise ConfigError(f"chain_finished_fraction must be in [0, 1], got {self.chain_finished_fraction}")
-        if not 0 <= self.admit_wait_ms < float("inf"):
-            raise ConfigError(f"admit_wait_ms must be 0 or a positive number of milliseconds, got {self.admit_wait_ms}")
         if self.lone_prefills < 0:
             raise ConfigError(f"lone_prefills must be 0 or more, got {self.lone_prefills}")
         if not 0 < self.drafter_timeout_s < float("inf"):

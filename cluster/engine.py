@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from specray.actors.kv_cache import BlockAllocator
-from specray.async_decode import AsyncSteps, InflightStep, chain_from_prefill, launch_decode
+from specray.async_decode import AsyncSteps, InflightStep, launch_decode
+from specray.chain_admit import chain_from_prefill, join_chain
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import decodes_in_runs, max_prompt_chars, text_decoder
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
@@ -129,7 +130,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.tree = self._tree_universe()
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
-        self._pending_since: float | None = None  # when a waiting request could first have been admitted
+        self._join_next = False  # _can_chain found the head of the queue may join the running chain
+        self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
 
@@ -176,16 +178,22 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         prev = self._inflight
         everyone = [r for p in prev for r in p.requests]
         chained = self._can_chain(everyone)
-        spec = chained and self.speculate(everyone)
-        self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \
-            if chained else []
+        joined_outputs = []
+        if chained and self._join_next:
+            self._inflight = []
+            joined_outputs = join_chain(self, everyone, t0)  # launches the next step, the request in it
+            self._observed_kind = None  # the cycle carries a prefill: the policy does not time it
+        else:
+            spec = chained and self.speculate(everyone)
+            self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \
+                if chained else []
         if not chained:
             self._join_lanes()
         for p in prev:  # a bounded wait (NCCL) reads every lane before any is applied: a lost drafter drops all
             wait = result_wait(self, p.captured)
             if wait is not None:
                 p.wait(wait)
-        outputs = [o for p in prev for o in self._apply_inflight(p, chained=chained)]
+        outputs = joined_outputs + [o for p in prev for o in self._apply_inflight(p, chained=chained)]
         self.async_gpu_s += sum(p.gpu_seconds() for p in prev)
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
@@ -228,7 +236,9 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             return False
         return all(p.end - p.start <= max(graphs) for p in items)
 
-    def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
+    def _sync_step(self, plan, t0: float, launch_chain=None) -> list[RequestOutput]:
+        """``launch_chain(first_tokens)``: launches the chain step that
+        follows this prefill (``join_chain``), in place of ``chain_from_prefill``."""
         stats = StepStats(len(plan.decode), sum(p.end - p.start for p in plan.prefill))
         if plan.empty:
             self.last_step = stats
@@ -287,7 +297,10 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         accepted = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch)
         # Prompts that finished here may start their chain of asynchronous
         # steps now, from their first tokens on the device (async_decode.py).
-        chain = chain_from_prefill(self, plan, accepted.first_tokens) if accepted.first_tokens is not None else None
+        chain = None
+        if accepted.first_tokens is not None:
+            chain = launch_chain(accepted.first_tokens) if launch_chain is not None else \
+                chain_from_prefill(self, plan, accepted.first_tokens)
         results = accepted.read(result_wait(self))
         if lookup is not None:
             self._count_lookups(decode, lookup, results[2])

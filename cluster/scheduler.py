@@ -203,6 +203,22 @@ class Scheduler:
             return False
         return self._prefill_end(self.waiting[0], self.max_num_batched_tokens - decode_tokens) is not None
 
+    def fits_whole(self, req: Request) -> bool:
+        """Whether ``req``'s whole prompt fits one step of its own, with
+        room for its first decode block (``admit_whole``)."""
+        return self._prefill_end(req, self.max_num_batched_tokens) == req.prefill_len
+
+    def admit_whole(self) -> PrefillItem:
+        """Admit the head of the queue, its whole prompt in one chunk (a
+        request joining a running chain: chain_admit.py); ``fits_whole``
+        said it may."""
+        req = self.waiting.popleft()
+        req.status = Status.RUNNING
+        self.running.append(req)
+        item = self._plan_prefill(req, self.max_num_batched_tokens)
+        assert item is not None and item.is_last_chunk, "admit_whole without fits_whole"
+        return item
+
     def commit(self, req: Request, num_computed: int, keep: int | None = None) -> None:
         """After a step: ``num_computed`` positions are valid; roll back the
         rest (rejected draft rows), keeping room for ``keep`` positions (a

@@ -346,10 +346,11 @@ def test_chains_start_at_the_prefill(models, drafter):
 def test_an_admission_beside_graphed_decode_rows_is_prefilled_alone(models):
     """A prompt admitted while rows decode as step graphs is prefilled in a
     step of its own (beside it those rows would verify synchronously); the
-    next step runs every row as a graph again, with the same tokens."""
+    next step runs every row as a graph again, with the same tokens (rows
+    that may not join the running chain: chain_admit.py)."""
     ps = prompts()
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 2
-    eng = engine(models, True, True)
+    eng = engine(models, True, True, admit_into_chain=False)
     eng.add_request(ps[0], params[0], request_id="a")
     for _ in range(3):  # prefill, then graphed steps
         eng.step()
@@ -377,7 +378,7 @@ def test_prompts_admitted_together_are_prefilled_one_a_step(models, monkeypatch)
     monkeypatch.setattr(EngineCore, "lone_prefills_off_cuda", True)
     ps = prompts()
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 4
-    eng = engine(models, True, True)
+    eng = engine(models, True, True, admit_into_chain=False)
     eng.add_request(ps[0], params[0], request_id="a")
     for _ in range(3):
         eng.step()
@@ -394,7 +395,7 @@ def test_prompts_admitted_together_are_prefilled_one_a_step(models, monkeypatch)
     want = run(engine(models, False, False), [ps[0], ps[1], ps[2], ps[4]], params)
     assert [outs[r].token_ids for r in "abcd"] == [want[str(i)].token_ids for i in range(4)]
     # off: one eager step of the three prompts
-    eng = engine(models, True, True, lone_prefills=0)
+    eng = engine(models, True, True, lone_prefills=0, admit_into_chain=False)
     eng.add_request(ps[0], params[0], request_id="a")
     for _ in range(3):
         eng.step()
@@ -408,9 +409,10 @@ def test_prompts_admitted_together_are_prefilled_one_a_step(models, monkeypatch)
     assert sorted(o.request_id for o in got if o.delta_token_ids) == ["b", "c", "d"]
 
 
-def closed_loop(eng, prompts, params, concurrency: int) -> tuple[dict, int]:
+def closed_loop(eng, prompts, params, concurrency: int, check=None) -> tuple[dict, int]:
     """``concurrency`` requests in flight, the next admitted as one finishes:
-    the final outputs and the synchronous steps the engine took."""
+    the final outputs and the synchronous steps the engine took.
+    ``check(eng)`` runs after every step."""
     outs, i, live, sync_steps = {}, 0, 0, 0
     while i < len(prompts) or eng.has_unfinished():
         while i < len(prompts) and live < concurrency:
@@ -422,16 +424,31 @@ def closed_loop(eng, prompts, params, concurrency: int) -> tuple[dict, int]:
                 outs[o.request_id] = o
                 live -= 1
         sync_steps += eng.num_async_steps == before
+        if check is not None:
+            check(eng)
     return outs, sync_steps
 
 
+def history_rows_hold_their_tokens(eng) -> None:
+    """Each live row of the chain in flight finds its request's tokens in
+    its row of the device's token history (its lookups read them)."""
+    if not eng._inflight or "history" not in eng._step_buffers.get(0, {}):
+        return
+    history = eng._step_buffers[0]["history"]
+    for r in eng._inflight[0].requests:
+        if not r.finished:
+            tokens = r.all_token_ids
+            assert history[r.history_slot, : len(tokens)].tolist() == tokens, r.request_id
+
+
 @pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
-def test_finished_rows_ride_the_chain_until_admission_pays(models, drafter):
-    """Under churn a chain runs on past finished rows (freed, replayed as
-    padding) until a third of its rows finished, then admits the waiting
-    requests together: every request's tokens stay those of synchronous
-    steps (greedy and seeded sampled rows), the KV pools end empty, and the
-    engine takes fewer synchronous steps than draining at every finish."""
+def test_requests_join_the_running_chain(models, drafter):
+    """Under churn a waiting request joins the running chain in a finished
+    row's place (its prompt prefilled behind the step in flight, its row's
+    state written on the device) instead of draining it: every request's
+    tokens stay those of synchronous steps (greedy and seeded sampled
+    rows), the KV pools end empty, and the engine takes fewer synchronous
+    steps than draining at every finish."""
     g = torch.Generator().manual_seed(21)
     ps = [torch.randint(2, 319, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (24,), generator=g)]
     lens = torch.randint(6, 40, (24,), generator=g).tolist()
@@ -442,14 +459,17 @@ def test_finished_rows_ride_the_chain_until_admission_pays(models, drafter):
         pick = [i for i in range(len(ps)) if (i % 3 == 0) == bool(kind)]
         sub_ps, sub_params = [ps[i] for i in pick], [params[i] for i in pick]
         want, _ = closed_loop(engine(models, drafter, False), sub_ps, sub_params, 6)
-        eager, drains = closed_loop(engine(models, drafter, True, chain_finished_fraction=0), sub_ps, sub_params, 6)
-        eng = engine(models, drafter, True, chain_finished_fraction=0.34, admit_wait_ms=1e6)
-        got, riding = closed_loop(eng, sub_ps, sub_params, 6)
+        eager, drains = closed_loop(engine(models, drafter, True, admit_into_chain=False), sub_ps, sub_params, 6)
+        eng = engine(models, drafter, True)
+        got, joining = closed_loop(eng, sub_ps, sub_params, 6, check=history_rows_hold_their_tokens)
         for k in want:
             assert got[k].token_ids == want[k].token_ids == eager[k].token_ids, (kind, k)
-        assert riding < drains, (kind, riding, drains)
+            # the same drafts (the drafter's context, the lookup history of a joined row)
+            assert got[k].metrics.acceptance_lengths == want[k].metrics.acceptance_lengths, (kind, k)
+        assert eng.num_chain_joins >= len(pick) - 6, (kind, eng.num_chain_joins)
+        assert joining < drains, (kind, joining, drains)
         # every drain is counted under the rule that ended its chain
-        assert 0 < sum(eng.chain_breaks.values()) and set(eng.chain_breaks) <= \
+        assert set(eng.chain_breaks) <= \
             {"rows changed", "admission", "a row finished", "length limit", "max_tokens next", "no room to reserve"}
         sched = eng.scheduler
         assert sched.target_pool.num_free == sched.target_pool.capacity
@@ -457,11 +477,19 @@ def test_finished_rows_ride_the_chain_until_admission_pays(models, drafter):
             assert sched.draft_pool.num_free == sched.draft_pool.capacity
 
 
-def test_chain_finished_fraction_is_checked():
-    with pytest.raises(ConfigError, match="chain_finished_fraction"):
-        EngineConfig(target="t", chain_finished_fraction=1.5)
-    with pytest.raises(ConfigError, match="admit_wait_ms"):
-        EngineConfig(target="t", admit_wait_ms=-1)
+def test_only_a_request_of_the_chains_sampling_kind_joins(models):
+    """A greedy request joins a greedy chain; a sampled one does not (the
+    greedy graphs have no sampling settings to write): that chain drains.
+    Both give the synchronous steps' tokens."""
+    ps = prompts()[:3]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 2 + \
+        [SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)]
+    joins = {1: 3, 2: 6}
+    want = run(engine(models, True, False), ps, params, joins=joins)
+    eng = engine(models, True, True)
+    got = run(eng, ps, params, joins=joins)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+    assert eng.num_chain_joins == 1 and eng.chain_breaks["admission"] == 1, (eng.num_chain_joins, eng.chain_breaks)
 
 
 @pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
@@ -475,5 +503,5 @@ def test_a_finished_row_near_the_length_limit_rides_as_padding(models, drafter):
     params = [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)] + \
         [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3
     want, _ = closed_loop(engine(models, drafter, False), ps, params, 4)
-    got, _ = closed_loop(engine(models, drafter, True, chain_finished_fraction=0.5), ps, params, 4)
+    got, _ = closed_loop(engine(models, drafter, True), ps, params, 4)
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}

@@ -110,10 +110,10 @@ def test_gpu_async_steps_match_cpu(ckpt, drafter):
 
 
 @pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
-def test_gpu_finished_rows_ride_the_chain_and_match_cpu(ckpt, drafter):
-    """More requests than max_num_seqs, ending at different steps: a chain
-    runs on past finished rows (freed, replayed as padding) until a third
-    of its rows finished, then admits the waiting ones; the CPU's
+def test_gpu_requests_join_the_running_chain_and_match_cpu(ckpt, drafter):
+    """More requests than max_num_seqs, ending at different steps: each
+    waiting one joins the running chain in a finished row's place (its
+    prompt prefilled through a graph behind the step in flight); the CPU's
     synchronous steps give the same tokens."""
     prompts = PROMPTS * 3
     params = [SamplingParams(max_tokens=8 + 7 * (i % 5) + i, temperature=0, ignore_eos=True)
@@ -123,8 +123,9 @@ def test_gpu_finished_rows_ride_the_chain_and_match_cpu(ckpt, drafter):
     want = [o.token_ids for o in cpu.generate(prompts, params)]
     llm = LLM(ckpt / "t", ckpt / "d" if drafter else None, device="cuda", dtype="float32", num_kv_blocks=512,
               max_model_len=512, max_num_seqs=6, cuda_graphs=True, async_scheduling=True,
-              adaptive_speculation=False, chain_finished_fraction=0.34, admit_wait_ms=1e6)
+              adaptive_speculation=False)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.num_chain_joins > 0
     sched = llm.engine.scheduler
     assert sched.target_pool.num_free == sched.target_pool.capacity
 

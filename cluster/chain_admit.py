@@ -1,0 +1,106 @@
+"""How requests enter chains of asynchronous steps (async_decode.py).
+
+A chain can start at the prefill that finishes its prompts
+(``chain_from_prefill``): its first decode step opens with the first tokens
+the prefill left on the device and is launched before the host reads them.
+
+A request can also join a running chain (``join_chain``) in place of a
+finished row, or as a row more: its prompt is prefilled alone in a
+synchronous step queued behind the chain's step in flight, its row's state
+written into the step graphs' buffers on the device, and the chain's next
+step launched with it before the host reads anything. Under churn (a closed
+loop at c=64 admits a request every step or two) draining the chain at each
+admission cost a synchronous step and a chain restart each time, and rows
+of a speculative engine finish at different steps where an autoregressive
+engine's same-length requests finish together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray import async_decode
+from specray.chain_rows import batch_mode
+from specray.request import Request, RequestOutput
+from specray.scheduler import StepPlan
+
+
+def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> async_decode.InflightStep | None:
+    """The first decode step of the requests whose prompts the synchronous
+    step ``plan`` finished, launched before the host reads their first
+    tokens (``first_tokens`` ``[P]`` on the device, in ``plan.prefill``'s
+    order): the drafter's context store of the step's rows, then one step
+    graph replay whose rows open with those tokens. The host's launch then
+    overlaps the GPU's prefill, where it waited for the token first (the
+    speculative engine's store and first launch cost the H200's host ~1.3 ms
+    a request with the GPU idle). None where the next step must be
+    synchronous, by the rules a running chain follows (``_can_chain``)."""
+    sched, B = core.scheduler, core.block_size
+    requests = [p.request for p in plan.prefill]
+    if plan.decode or plan.preempted or not requests:
+        return None
+    if core.drafter is not None and not getattr(core.drafter, "local_model", False):
+        return None  # the first tokens are on rank 0's device, not the drafter's
+    if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
+            not core.async_capable(requests):
+        return None
+    for p in plan.prefill:
+        if not p.samples_first_token or not _room_after_first_token(core, p.request):
+            return None
+    if not all(sched.reserve(r, r.num_tokens + B) for r in requests):
+        return None  # what was reserved is trimmed when the prefill commits
+    core.begin_chain()
+    _store_prompts(core, plan)
+    return async_decode.launch_decode(core, requests, chained=False, first_tokens=first_tokens)
+
+
+def may_join(core, rows: list[Request]) -> bool:
+    """Whether the request at the head of the queue may join the running
+    chain of ``rows``: a new request (not a preempted one's re-prefill,
+    which samples no first token) whose whole prompt fits one step, of the
+    chain's sampling kind, with room for its first blocks."""
+    sched = core.scheduler
+    if not sched.waiting or getattr(core, "oracle", None) is not None:
+        return False
+    r = sched.waiting[0]
+    if len(sched.running) >= sched.max_num_seqs or r.output_token_ids or r.num_computed or not sched.fits_whole(r) or not _room_after_first_token(core, r):
+        return False
+    vocab = core.target_spec.vocab_size
+    return core.async_capable([r]) and batch_mode(rows + [r], vocab) == batch_mode(rows, vocab)
+
+
+def join_chain(core, rows: list[Request], t0: float) -> list[RequestOutput]:
+    """Admit the head of the queue into the running chain of ``rows`` (the
+    step in flight's): a synchronous step prefills its prompt and, before
+    reading its results, launches the chain's next step with the request in
+    the first finished row's place (or as a row more); ``core._inflight``
+    is that step. Returns the prefill's outputs (the first token)."""
+    item = core.scheduler.admit_whole()
+    plan = StepPlan(prefill=[item])
+
+    def launch(first_tokens: torch.Tensor) -> async_decode.InflightStep:
+        r = item.request
+        if not core.scheduler.reserve(r, r.num_tokens + core.block_size):
+            raise RuntimeError(f"request {r.request_id}: no room for its first block, though admitted with it")
+        _store_prompts(core, plan)
+        i = next((k for k, q in enumerate(rows) if q.finished), len(rows))
+        joined = rows[:i] + [r] + rows[i + 1:]
+        return async_decode.launch_decode(core, joined, chained=True, first_tokens=first_tokens,
+                             spec=core.speculate(joined), joined=(i,))
+
+    core.num_chain_joins += 1
+    return core._sync_step(plan, t0, launch)
+
+
+def _room_after_first_token(core, r: Request) -> bool:
+    """Its first token leaves it a token to emit, and its next block room."""
+    return core.scheduler.emit_budget(r) >= 2 and r.num_tokens + 2 * core.block_size <= core.max_model_len
+
+
+def _store_prompts(core, plan) -> None:
+    """The drafter's context of the prompts ``plan``'s step prefilled (its
+    rows, in order), before a chain step that drafts from it is launched."""
+    if core.drafter is not None:
+        positions = [i for p in plan.prefill for i in range(p.start, p.end)]
+        slots = [s for p in plan.prefill for s in p.request.draft_blocks.slots(p.start, p.end)]
+        core.store_context(None, positions, slots)
