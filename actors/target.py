@@ -15,6 +15,10 @@ from specray.actors.weights import Checkpoint, torch_dtype
 from specray.config import EngineConfig, TargetSpec
 from specray.kernels import ops
 from specray.plan import AttentionMetadata, TargetBatch
+
+# At most this many prompts of a step are prefilled one graph replay each
+# (``TargetWorker._prefill_each``); a step of more runs eagerly.
+PREFILL_EACH_MAX = 8
 from specray.staging import host_to_device
 
 
@@ -55,6 +59,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 class TargetWorker:
+    # Tests turn on several prompts prefilled one graph replay each on the
+    # CPU's padded path, where it only adds compute otherwise.
+    prefill_each_off_cuda = False
+
     def __init__(
         self,
         spec: TargetSpec,
@@ -194,6 +202,42 @@ class TargetWorker:
         self.last_hidden = hidden[:n] if hidden is not None else None
         return logits[: batch.logits_indices.shape[0]] if logits is not None else None
 
+    def _prefill_each(self, batch: TargetBatch) -> tuple[bool, torch.Tensor | None]:
+        """Several prompts' chunks, each through its captured prefill graph
+        in turn (an eager step of several prompts cost the H200's host
+        17-50 ms): (False, None) where one of them has no graph, else (True,
+        the logits of the rows ``logits_indices`` names, each a chunk's last
+        row), the tapped states of every row left in ``last_hidden`` in the
+        batch's order."""
+        a = batch.attn
+        if a.seq_lens.device.type != "cpu" or a.tree_mask is not None or a.seq_lens.shape[0] > PREFILL_EACH_MAX or \
+                (self.device.type != "cuda" and not self.prefill_each_off_cuda):
+            return False, None
+        bounds = a.query_start_loc.tolist()
+        wanted = batch.logits_indices.tolist()
+        if wanted != sorted(wanted) or any(i + 1 not in bounds[1:] for i in wanted):
+            return False, None
+        parts = []
+        for s in range(len(bounds) - 1):
+            q0, q1 = bounds[s], bounds[s + 1]
+            one = TargetBatch(batch.input_ids[q0:q1], AttentionMetadata(
+                a.positions[q0:q1], a.slot_mapping[q0:q1], torch.tensor([0, q1 - q0]), a.seq_lens[s : s + 1],
+                a.block_tables[s : s + 1], q1 - q0, int(a.seq_lens[s])),
+                torch.tensor([q1 - q0 - 1] if q1 - 1 in wanted else [], dtype=torch.int64), batch.want_hidden)
+            rows = self._prefill_rows(one)
+            if rows is None:
+                return False, None
+            parts.append((one, rows))
+        logits, hidden = [], []
+        for one, rows in parts:  # a graph's outputs are its buffers: each replay's are copied out
+            out = self._execute_prefill_graph(one, rows)
+            if out is not None:
+                logits.append(out.clone())
+            if self.last_hidden is not None:
+                hidden.append(self.last_hidden.clone())
+        self.last_hidden = torch.cat(hidden) if hidden else None
+        return True, torch.cat(logits) if logits else None
+
     @property
     def local_model(self) -> bool:
         """The whole model and its cache live in this process (TP 1), so a
@@ -218,6 +262,10 @@ class TargetWorker:
         rows = self._prefill_rows(batch)
         if rows is not None:
             return self._execute_prefill_graph(batch, rows)
+        if self.prefill_graphs and not batch.uniform_rows and batch.attn.seq_lens.shape[0] > 1:
+            ran, logits = self._prefill_each(batch)
+            if ran:
+                return logits
         attn = batch.attn.to(self.device)
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         driver = self.is_driver

@@ -136,10 +136,12 @@ def summarize(outs: list, secs: float) -> dict:
             "mean_acceptance_length": sum(steps) / len(steps) if steps else None}
 
 
-def run_point(eng, prompts: list, args, temperature: float, c: int, captures=None) -> tuple[list, float, dict]:
-    """One timed point: the outputs, wall seconds and what its steps were."""
+def run_point(eng, prompts: list, args, temperature: float, c: int, captures=None,
+              warm: bool = True) -> tuple[list, float, dict]:
+    """One timed point: the outputs, wall seconds and what its steps were
+    (``warm``: after an untimed pass of the same workload)."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
-    if args.warmup:
+    if args.warmup and warm:
         # The point's own workload, untimed: under churn the batch sizes a
         # point meets (and so the graphs it captures) depend on when its
         # requests finish, which a shorter warm-up does not reproduce.
@@ -152,6 +154,12 @@ def run_point(eng, prompts: list, args, temperature: float, c: int, captures=Non
     if captures:
         steps |= captures.since(cap)
     return outs, secs, steps
+
+
+def median_run(runs: list[tuple]) -> tuple:
+    """Of timed runs (outputs, seconds, steps) of one workload, the one of
+    median wall time."""
+    return sorted(runs, key=lambda r: r[1])[len(runs) // 2]
 
 
 def release() -> None:
@@ -182,7 +190,7 @@ def sweep(args) -> dict:
                                  ("gpu_memory_utilization", args.gpu_memory_utilization),
                                  ("admit_into_chain", args.admit_into_chain)) if v is not None}
     run = {"model": args.model, "oracle_acceptance": label, "target": target, "drafter": drafter,
-           "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
            "concurrency": args.concurrency, "temperatures": args.temperatures,
            "loop": "closed-loop, in-process EngineCore.step", "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if profile:
@@ -212,7 +220,7 @@ def sweep(args) -> dict:
             oracle.record_outputs(outs)
         print(f"{tag} AR c={c} T={temp}: {ar_points[(c, temp)]['summary']['tok_s']:.1f} tok/s", flush=True)
 
-    def spec_point(c, temp, outs, secs, steps):
+    def spec_point(c, temp, outs, secs, steps, paired=None):
         s, a = summarize(outs, secs), ar_points[(c, temp)]
         point = {"model": args.model, "oracle_acceptance": label, "concurrency": c, "temperature": temp,
                  "spec_tok_s": round(s["tok_s"], 2), "ar_tok_s": round(a["summary"]["tok_s"], 2),
@@ -222,6 +230,10 @@ def sweep(args) -> dict:
                  "requests": len(outs), "max_tokens": args.max_tokens, "spec_tokens": s["tokens"],
                  "ar_tokens": a["summary"]["tokens"], "spec_s": round(s["seconds"], 4),
                  "ar_s": round(a["summary"]["seconds"], 4), "spec_steps": steps, "ar_steps": a["steps"]}
+        if paired:  # repeats, each AR then speculative: the median of their ratios
+            ratios = sorted(ar_s / spec_s for ar_s, spec_s in paired)
+            point |= {"speedup": round(ratios[len(ratios) // 2], 3), "speedup_runs": [round(r, 3) for r in ratios],
+                      "repeats": len(paired)}
         if temp == 0:
             point["identical_outputs"] = sum(x.token_ids == y.token_ids for x, y in zip(outs, a["outs"]))
         if oracle is not None:
@@ -260,9 +272,15 @@ def sweep(args) -> dict:
     expected = profile.expected_length(spec.engine.block_size - 1) if profile else None
     for temp in args.temperatures:
         for c in args.concurrency:
-            if interleave:
-                ar_point(c, temp, *run_point(ar.engine, prompts[c], args, temp, c, captures))
-            spec_point(c, temp, *run_point(spec.engine, prompts[c], args, temp, c, captures))
+            if not interleave:
+                spec_point(c, temp, *run_point(spec.engine, prompts[c], args, temp, c, captures))
+                continue
+            ar_runs, spec_runs = [], []
+            for k in range(args.repeats):
+                ar_runs.append(run_point(ar.engine, prompts[c], args, temp, c, captures, warm=k == 0))
+                spec_runs.append(run_point(spec.engine, prompts[c], args, temp, c, captures, warm=k == 0))
+            ar_point(c, temp, *median_run(ar_runs))
+            spec_point(c, temp, *median_run(spec_runs), paired=[(a[1], b[1]) for a, b in zip(ar_runs, spec_runs)])
     spec.shutdown()
     del spec
     if interleave:
@@ -357,7 +375,7 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2, help="requests a point = rounds x concurrency")
+    p.add_argument("--rounds", type=int, default=4, help="requests a point = rounds x concurrency")
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="*-oracle: random prompt length")
     p.add_argument("--prompts", default="data/prompts/eval.jsonl", help="embedded: the prompt set")
@@ -371,6 +389,9 @@ def main(argv=None) -> dict:
     p.add_argument("--admit-into-chain", action=argparse.BooleanOptionalAction, default=None,
                    help="both engines (default: the engine's, on): waiting requests join running chains")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved: timed runs a point, each AR then speculative; a point reports the median "
+                        "tok/s of each and the median of the paired ratios (the machine drifts between runs)")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="embedded: both engines resident (each at --gpu-memory-utilization, default 0.4), each "
                         "point run AR then speculative back to back, so machine drift falls on both alike "

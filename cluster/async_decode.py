@@ -356,11 +356,11 @@ class AsyncSteps:
         finish, which drains), and room to reserve every row's blocks two
         verify blocks ahead."""
         sched, B = self.scheduler, self.block_size
-        self._join_next = False
+        self._join_next = 0
         live = [r for r in requests if not r.finished]
         if not live or len(sched.running) != len(live):
             return self._drain("rows changed")
-        joins = self._rows_may_finish() and may_join(self, requests)
+        joins = may_join(self, requests) if self._rows_may_finish() else 0
         if not joins and sched.could_admit(len(live) * B):
             return self._drain("admission")
         if len(live) < len(requests) and not self._finished_rows_ride(len(requests), len(live), joins):
@@ -387,7 +387,7 @@ class AsyncSteps:
         which no padding or joining write reaches)."""
         return self.config.admit_into_chain and len(self._inflight) <= 1 and not self._peers()
 
-    def _finished_rows_ride(self, rows: int, live: int, joins: bool) -> bool:
+    def _finished_rows_ride(self, rows: int, live: int, joins: int) -> bool:
         """Whether the chain goes on with ``rows - live`` finished rows as
         padding: while a waiting request may join it (into a finished row's
         place), else until the live rows would fit a smaller graph."""
@@ -395,7 +395,7 @@ class AsyncSteps:
 
         if not self._rows_may_finish():
             return False
-        return joins or padded_size(live, self.config.max_num_seqs) == padded_size(rows, self.config.max_num_seqs)
+        return joins > 0 or padded_size(live, self.config.max_num_seqs) == padded_size(rows, self.config.max_num_seqs)
 
     def _drain(self, why: str) -> bool:
         """Ends the chain; ``chain_breaks`` counts why (bench/load_profile.py)."""

@@ -54,41 +54,67 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> async_decode.I
     return async_decode.launch_decode(core, requests, chained=False, first_tokens=first_tokens)
 
 
-def may_join(core, rows: list[Request]) -> bool:
-    """Whether the request at the head of the queue may join the running
-    chain of ``rows``: a new request (not a preempted one's re-prefill,
-    which samples no first token) whose whole prompt fits one step, of the
-    chain's sampling kind, with room for its first blocks."""
+# At most this many requests join a chain in one step: their prompts are
+# prefilled one graph replay each (actors/target.py, PREFILL_EACH_MAX), and
+# the chain's next step waits behind them.
+JOIN_MAX = 4
+
+
+def may_join(core, rows: list[Request]) -> int:
+    """How many requests at the head of the queue may join the running
+    chain of ``rows`` now: new requests (not a preempted one's re-prefill,
+    which samples no first token) whose whole prompts fit one step
+    together, of the chain's sampling kind, with room for their first
+    blocks, no more than the chain has places for (finished rows, then
+    rows up to max_num_seqs) and ``JOIN_MAX``."""
     sched = core.scheduler
     if not sched.waiting or getattr(core, "oracle", None) is not None:
-        return False
-    r = sched.waiting[0]
-    if len(sched.running) >= sched.max_num_seqs or r.output_token_ids or r.num_computed or not sched.fits_whole(r) or not _room_after_first_token(core, r):
-        return False
+        return 0
+    places = min(JOIN_MAX, sched.max_num_seqs - len(sched.running))
     vocab = core.target_spec.vocab_size
-    return core.async_capable([r]) and batch_mode(rows + [r], vocab) == batch_mode(rows, vocab)
+    mode, tokens, count = batch_mode(rows, vocab), 0, 0
+    for r in list(sched.waiting)[:places]:
+        tokens += r.prefill_len
+        if r.output_token_ids or r.num_computed or tokens > sched.max_num_batched_tokens or \
+                not sched.fits_whole(r) or not _room_after_first_token(core, r) or \
+                not core.async_capable([r]) or batch_mode(rows + [r], vocab) != mode:
+            break
+        count += 1
+    return count
 
 
-def join_chain(core, rows: list[Request], t0: float) -> list[RequestOutput]:
-    """Admit the head of the queue into the running chain of ``rows`` (the
-    step in flight's): a synchronous step prefills its prompt and, before
-    reading its results, launches the chain's next step with the request in
-    the first finished row's place (or as a row more); ``core._inflight``
-    is that step. Returns the prefill's outputs (the first token)."""
-    item = core.scheduler.admit_whole()
-    plan = StepPlan(prefill=[item])
+def join_chain(core, rows: list[Request], count: int, t0: float) -> list[RequestOutput] | None:
+    """Admit up to ``count`` requests at the head of the queue into the
+    running chain of ``rows`` (the step in flight's): a synchronous step
+    prefills their prompts and, before reading its results, launches the
+    chain's next step with them in finished rows' places (then as rows
+    more); ``core._inflight`` is that step. Returns the prefill's outputs
+    (the first tokens), or None where none fits any more (the blocks the
+    chain reserved since ``may_join`` looked)."""
+    sched = core.scheduler
+    items = []
+    while len(items) < count and sched.waiting and sched.fits_whole(sched.waiting[0]):
+        items.append(sched.admit_whole())
+    if not items:
+        return None
+    plan = StepPlan(prefill=items)
 
     def launch(first_tokens: torch.Tensor) -> async_decode.InflightStep:
-        r = item.request
-        if not core.scheduler.reserve(r, r.num_tokens + core.block_size):
-            raise RuntimeError(f"request {r.request_id}: no room for its first block, though admitted with it")
+        for p in items:
+            r = p.request
+            if not sched.reserve(r, r.num_tokens + core.block_size):
+                raise RuntimeError(f"request {r.request_id}: no room for its first block, though admitted with it")
         _store_prompts(core, plan)
-        i = next((k for k, q in enumerate(rows) if q.finished), len(rows))
-        joined = rows[:i] + [r] + rows[i + 1:]
-        return async_decode.launch_decode(core, joined, chained=True, first_tokens=first_tokens,
-                             spec=core.speculate(joined), joined=(i,))
+        joined_rows, places = list(rows), []
+        free = (k for k, q in enumerate(rows) if q.finished)
+        for p in items:
+            k = next(free, len(joined_rows))
+            joined_rows[k:k + 1] = [p.request]
+            places.append(k)
+        return async_decode.launch_decode(core, joined_rows, chained=True, first_tokens=first_tokens,
+                                          spec=core.speculate(joined_rows), joined=tuple(places))
 
-    core.num_chain_joins += 1
+    core.num_chain_joins += len(items)
     return core._sync_step(plan, t0, launch)
 
 

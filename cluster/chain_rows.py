@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specray.request import Request
-from specray.sampling import SamplingTensors, any_filter, seed_keys
+from specray.sampling import any_filter, seed_keys
 from specray.staging import host_to_device
 
 
@@ -40,11 +40,11 @@ def first_inputs(core, requests: list[Request], first_tokens: torch.Tensor | Non
         # Unreserved rows would write their K/V into block 0 and read back nothing.
         if len(r.target_blocks.blocks) * kv < start + min(core.block_size, budget):
             raise RuntimeError(f"request {r.request_id}: blocks not reserved through its first step's block")
-    if mode != "greedy":
+    if mode != "greedy":  # the graphs draw each step's uniforms from the keys (SamplingTensors' settings)
         params = [r.params for r in requests]
-        st = SamplingTensors.build(params, [r.seed for r in requests], starts, 0,
-                                   vocab_size=core.target_spec.vocab_size)
-        inputs |= {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
+        inputs |= {"temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                   "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                   "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
                    "keys": torch.from_numpy(seed_keys([r.seed for r in requests])).T.contiguous()}
     if "oracle_seq" in graphs.buffers:  # oracle acceptance (oracle.py)
         inputs |= core.oracle.chain_inputs(requests, starts)
@@ -73,14 +73,28 @@ def join_rows(core, graphs, requests: list[Request], joined: tuple[int, ...], fi
     history's padding row: theirs may be a joining request's now."""
     joining = [requests[i] for i in joined]
     inputs, uploads = first_inputs(core, joining, first_tokens, mode, graphs)
-    idx = host_to_device(torch.tensor(joined, dtype=torch.int64), graphs.device)
-    for name, values in inputs.items():
-        buf = graphs.buffers.get(name)
-        if buf is not None and name != "real":  # ``real`` goes up whole with the step
-            buf.index_copy_(0, idx, host_to_device(values, graphs.device).to(buf.dtype))
+    riding = [i for i, r in enumerate(requests) if r.finished] if uploads is not None else []
+    # One copy up: the rows' indices, their integer and their float state.
+    names = [n for n in inputs if n in graphs.buffers and n not in ("real", "last")]
+    ints = [n for n in names if not inputs[n].is_floating_point()]
+    floats = [n for n in names if inputs[n].is_floating_point()]
+    k = len(joined)
+    packed = torch.cat([torch.tensor(list(joined) + riding, dtype=torch.int64)] +
+                       [inputs[n].reshape(k, -1).T.reshape(-1) for n in ints])
+    dev = graphs.device
+    packed = host_to_device(packed, dev)
+    float_rows = host_to_device(torch.stack([inputs[n] for n in floats]), dev) if floats else None
+    idx, at = packed[:k], k + len(riding)
+    for n in ints:
+        buf = graphs.buffers[n]
+        width = inputs[n].reshape(k, -1).shape[1]
+        buf.index_copy_(0, idx, packed[at : at + k * width].view(width, k).T.reshape(buf[:k].shape))
+        at += k * width
+    for j, n in enumerate(floats):
+        graphs.buffers[n].index_copy_(0, idx, float_rows[j])
+    graphs.buffers["last"].index_copy_(0, idx, first_tokens.to(graphs.buffers["last"].dtype))
     if uploads is not None and "history" in graphs.buffers:
         write_history(graphs, inputs, uploads, first_tokens)
-        riding = [i for i, r in enumerate(requests) if r.finished]
         if riding:
             padding_row = graphs.buffers["history"].shape[0] - 1
-            graphs.buffers["slot"].index_fill_(0, host_to_device(torch.tensor(riding), graphs.device), padding_row)
+            graphs.buffers["slot"].index_fill_(0, packed[k : k + len(riding)], padding_row)

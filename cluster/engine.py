@@ -130,7 +130,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.tree = self._tree_universe()
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
-        self._join_next = False  # _can_chain found the head of the queue may join the running chain
+        self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
@@ -178,12 +178,13 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         prev = self._inflight
         everyone = [r for p in prev for r in p.requests]
         chained = self._can_chain(everyone)
-        joined_outputs = []
+        joined_outputs = None
         if chained and self._join_next:
             self._inflight = []
-            joined_outputs = join_chain(self, everyone, t0)  # launches the next step, the request in it
+            # a prefill step whose launch of the next step takes the requests in
+            joined_outputs = join_chain(self, everyone, self._join_next, t0)
             self._observed_kind = None  # the cycle carries a prefill: the policy does not time it
-        else:
+        if joined_outputs is None:
             spec = chained and self.speculate(everyone)
             self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \
                 if chained else []
@@ -193,7 +194,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             wait = result_wait(self, p.captured)
             if wait is not None:
                 p.wait(wait)
-        outputs = joined_outputs + [o for p in prev for o in self._apply_inflight(p, chained=chained)]
+        outputs = (joined_outputs or []) + [o for p in prev for o in self._apply_inflight(p, chained=chained)]
         self.async_gpu_s += sum(p.gpu_seconds() for p in prev)
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
@@ -308,7 +309,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None, logprobs=logprobs,
                               path_rows=accepted.path_rows)
         if chain is not None:
-            self.num_prefill_chains += 1
+            self.num_prefill_chains += launch_chain is None
             if not all(r.finished for r in chain.requests):
                 self._inflight = [chain]
         stats.total = time.perf_counter() - t0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factories import make_models
-from specray.config import ConfigError, EngineConfig
+from specray.config import EngineConfig
 from specray.llm import build_engine
 from specray.sampling import SamplingParams
 
@@ -441,14 +441,25 @@ def history_rows_hold_their_tokens(eng) -> None:
             assert history[r.history_slot, : len(tokens)].tolist() == tokens, r.request_id
 
 
-@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
-def test_requests_join_the_running_chain(models, drafter):
-    """Under churn a waiting request joins the running chain in a finished
-    row's place (its prompt prefilled behind the step in flight, its row's
-    state written on the device) instead of draining it: every request's
-    tokens stay those of synchronous steps (greedy and seeded sampled
-    rows), the KV pools end empty, and the engine takes fewer synchronous
-    steps than draining at every finish."""
+@pytest.mark.parametrize("drafter,each", [(True, False), (False, False), (True, True)],
+                         ids=["spec", "ar", "spec-graph-each"])
+def test_requests_join_the_running_chain(models, drafter, each, monkeypatch):
+    """Under churn waiting requests join the running chain in finished
+    rows' places (their prompts prefilled behind the step in flight, their
+    rows' state written on the device) instead of draining it: every
+    request's tokens stay those of synchronous steps (greedy and seeded
+    sampled rows), the KV pools end empty, and the engine takes fewer
+    synchronous steps than draining at every finish. ``each``: prompts
+    joining together are prefilled one prefill graph each (the GPU's path,
+    here on the CPU's padded one)."""
+    from specray.actors.target import TargetWorker
+
+    ran_each = []
+    if each:
+        monkeypatch.setattr(TargetWorker, "prefill_each_off_cuda", True)
+        real = TargetWorker._prefill_each
+        monkeypatch.setattr(TargetWorker, "_prefill_each",
+                            lambda self, b: ran_each.append(b.attn.seq_lens.shape[0]) or real(self, b))
     g = torch.Generator().manual_seed(21)
     ps = [torch.randint(2, 319, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (24,), generator=g)]
     lens = torch.randint(6, 40, (24,), generator=g).tolist()
@@ -458,7 +469,9 @@ def test_requests_join_the_running_chain(models, drafter):
     for kind in (0, 1):
         pick = [i for i in range(len(ps)) if (i % 3 == 0) == bool(kind)]
         sub_ps, sub_params = [ps[i] for i in pick], [params[i] for i in pick]
+        TargetWorker.prefill_each_off_cuda = False  # the reference prefills several prompts in one forward
         want, _ = closed_loop(engine(models, drafter, False), sub_ps, sub_params, 6)
+        TargetWorker.prefill_each_off_cuda = each
         eager, drains = closed_loop(engine(models, drafter, True, admit_into_chain=False), sub_ps, sub_params, 6)
         eng = engine(models, drafter, True)
         got, joining = closed_loop(eng, sub_ps, sub_params, 6, check=history_rows_hold_their_tokens)
@@ -467,6 +480,7 @@ def test_requests_join_the_running_chain(models, drafter):
             # the same drafts (the drafter's context, the lookup history of a joined row)
             assert got[k].metrics.acceptance_lengths == want[k].metrics.acceptance_lengths, (kind, k)
         assert eng.num_chain_joins >= len(pick) - 6, (kind, eng.num_chain_joins)
+        assert not each or ran_each, "no step prefilled several prompts one graph each"
         assert joining < drains, (kind, joining, drains)
         # every drain is counted under the rule that ended its chain
         assert set(eng.chain_breaks) <= \
