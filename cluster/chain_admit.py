@@ -95,15 +95,15 @@ def join_chain(core, rows: list[Request], count: int, t0: float) -> list[Request
     items = []
     while len(items) < count and sched.waiting and sched.fits_whole(sched.waiting[0]):
         items.append(sched.admit_whole())
+        r = items[-1].request
+        # Its first block too, before the next one is looked at (fits_whole left room for it).
+        if not sched.reserve(r, r.num_tokens + core.block_size):
+            raise RuntimeError(f"request {r.request_id}: no room for its first block, though admitted with it")
     if not items:
         return None
     plan = StepPlan(prefill=items)
 
     def launch(first_tokens: torch.Tensor) -> async_decode.InflightStep:
-        for p in items:
-            r = p.request
-            if not sched.reserve(r, r.num_tokens + core.block_size):
-                raise RuntimeError(f"request {r.request_id}: no room for its first block, though admitted with it")
         _store_prompts(core, plan)
         joined_rows, places = list(rows), []
         free = (k for k, q in enumerate(rows) if q.finished)
