@@ -10,10 +10,9 @@ positions, slots (from block tables reserved two blocks ahead) and
 sequence lengths follow on the device. So the engine enqueues step n+1
 (one graph replay: propose, verify, accept, context store;
 actors/step_graph.py) and only then waits for step n's results, which it
-applies while the GPU runs step n+1. A chain can start at the prefill
-that finishes its prompts: the first decode step opens with the first
-tokens the prefill left on the device, and is launched (after the
-drafter's context store of the prompts) before the host reads them.
+applies while the GPU runs step n+1. Requests enter chains at the
+prefill that finishes their prompts, or join a running one
+(chain_admit.py).
 
 Tokens do not change: every row emits exactly what the synchronous step
 would. Its drafts are the same (prompt lookups run over a copy of the
@@ -22,9 +21,9 @@ sampled rows draw the same counter-based uniforms (hashed on the device
 from the device's positions), and a row near its max_tokens verifies the
 same cut-short block (its emit budget lives on the device). A row whose
 request finishes while its next step is in flight has that step's results
-dropped. The engine drains back to synchronous steps whenever the set of
-rows must change (a finish, an admission that fits, a length limit within
-two blocks, no room to reserve).
+dropped, and the row rides as padding until a joining request takes its
+place. The engine drains back to synchronous steps where the rows must
+change otherwise (``_can_chain``).
 """
 
 from __future__ import annotations
