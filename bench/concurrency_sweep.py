@@ -86,7 +86,7 @@ def step_counters(engine) -> dict:
     (graph-replayed, chained) cycles and their wall / device seconds, and
     the adaptive policy's speculative / autoregressive choices."""
     out = {"async_steps": engine.num_async_steps, "async_wall_s": engine.async_wall_s,
-           "async_gpu_s": engine.async_gpu_s}
+           "async_gpu_s": engine.async_gpu_s, "chain_joins": engine.num_chain_joins}
     if engine.policy is not None:
         snap = engine.policy.snapshot()
         out |= {"speculative_steps": snap["speculative_steps"], "autoregressive_steps": snap["autoregressive_steps"]}
@@ -104,7 +104,8 @@ def step_summary(engine, before: dict, secs: float) -> dict:
            "async_wall_ms_per_step": per(d["async_wall_s"], d["async_steps"]),
            "async_gpu_ms_per_step": per(d["async_gpu_s"], d["async_steps"]),
            # the rest of the loop's time: synchronous steps (prefills, chain starts) and the loop itself
-           "other_steps": sync, "other_ms_per_step": per(secs - d["async_wall_s"], sync)}
+           "other_steps": sync, "other_ms_per_step": per(secs - d["async_wall_s"], sync),
+           "chain_joins": d["chain_joins"]}  # requests that joined a running chain (chain_admit.py)
     if "speculative_steps" in d:
         out |= {"speculative_steps": d["speculative_steps"], "autoregressive_steps": d["autoregressive_steps"],
                 "policy_step_ms": engine.policy.snapshot()["step_ms"]}

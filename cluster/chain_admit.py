@@ -68,7 +68,7 @@ def may_join(core, rows: list[Request]) -> int:
     blocks, no more than the chain has places for (finished rows, then
     rows up to max_num_seqs) and ``JOIN_MAX``."""
     sched = core.scheduler
-    if not sched.waiting or getattr(core, "oracle", None) is not None:
+    if not sched.waiting:
         return 0
     places = min(JOIN_MAX, sched.max_num_seqs - len(sched.running))
     vocab = core.target_spec.vocab_size

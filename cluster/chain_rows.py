@@ -76,6 +76,10 @@ def join_rows(core, graphs, requests: list[Request], joined: tuple[int, ...], fi
     riding = [i for i, r in enumerate(requests) if r.finished] if uploads is not None else []
     # One copy up: the rows' indices, their integer and their float state.
     names = [n for n in inputs if n in graphs.buffers and n not in ("real", "last")]
+    for n in names:  # a row narrower than its buffer (oracle.py's recorded sequences) is zero-padded
+        width = graphs.buffers[n].shape[1] if graphs.buffers[n].dim() == 2 else 0
+        if inputs[n].dim() == 2 and inputs[n].shape[1] < width:
+            inputs[n] = torch.nn.functional.pad(inputs[n], (0, width - inputs[n].shape[1]))
     ints = [n for n in names if not inputs[n].is_floating_point()]
     floats = [n for n in names if inputs[n].is_floating_point()]
     k = len(joined)
@@ -88,7 +92,7 @@ def join_rows(core, graphs, requests: list[Request], joined: tuple[int, ...], fi
     for n in ints:
         buf = graphs.buffers[n]
         width = inputs[n].reshape(k, -1).shape[1]
-        buf.index_copy_(0, idx, packed[at : at + k * width].view(width, k).T.reshape(buf[:k].shape))
+        buf.index_copy_(0, idx, packed[at : at + k * width].view(width, k).T.reshape(buf[:k].shape).to(buf.dtype))
         at += k * width
     for j, n in enumerate(floats):
         graphs.buffers[n].index_copy_(0, idx, float_rows[j])

@@ -66,3 +66,19 @@ def test_oracle_sweep_refuses_sampling(tmp_path):
         mod.main(["--model", "tiny-oracle", "--temperatures", "0", "1", "--ckpt-dir", str(tmp_path),
                   "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_oracle_rows_join_running_chains(tmp_path):
+    """Requests joining a running chain (chain_admit.py) get their recorded
+    continuation written with their row: outputs stay the AR engine's and
+    the acceptance the profile's."""
+    import concurrency_sweep as mod
+
+    report = mod.main(["--model", "tiny-oracle", "--oracle-acceptance", "const:0.8", "--device", "cpu",
+                       "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "3", "--max-tokens", "40",
+                       "--rounds", "4", "--prompt-len", "8", "--max-model-len", "96", "--no-warmup",
+                       "--cuda-graphs", "--async-scheduling", "--out", str(tmp_path / "sweep.json")])
+    (p,) = report["points"]
+    assert p["spec_steps"]["chain_joins"] > 0
+    assert p["identical_outputs"] == p["requests"] and p["oracle"]["diverged_requests"] == 0
+    assert abs(p["mean_acceptance_length"] - p["expected_acceptance_length"]) < 0.25, p
