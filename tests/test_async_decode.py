@@ -519,3 +519,53 @@ def test_a_finished_row_near_the_length_limit_rides_as_padding(models, drafter):
     want, _ = closed_loop(engine(models, drafter, False), ps, params, 4)
     got, _ = closed_loop(engine(models, drafter, True), ps, params, 4)
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+
+
+def test_a_request_aborted_while_it_joins_the_chain(models):
+    """A request whose prefill is queued to join the running chain next
+    cycle is aborted in between: it never joins, the chain goes on, the
+    other requests' tokens are the synchronous steps', and its blocks
+    come back."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3
+    want = run(engine(models, True, False), ps[:2], params[:2])
+    eng = engine(models, True, True)
+    for i in range(2):
+        eng.add_request(ps[i], params[i], request_id=str(i))
+    for _ in range(3):
+        eng.step()
+    assert eng._inflight
+    eng.add_request(ps[2], params[2], request_id="gone")
+    outs = {o.request_id: o for o in eng.step() if o.finished}
+    assert eng._pending_join is not None and [r.request_id for r in eng._pending_join.joining()] == ["gone"]
+    eng.abort_request("gone")
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert {k: outs[k].token_ids for k in "01"} == {k: want[k].token_ids for k in "01"}
+    assert eng._pending_join is None and "gone" not in [r.request_id for p in eng._inflight for r in p.requests]
+    sched = eng.scheduler
+    assert sched.target_pool.num_free == sched.target_pool.capacity
+    assert sched.draft_pool.num_free == sched.draft_pool.capacity
+
+
+def test_a_join_whose_chain_ended_meanwhile(models):
+    """The chain a request was to join ends (its rows all finished) before
+    the request's first step: its first token is applied on its own and it
+    goes on in a chain of its own, with the synchronous steps' tokens."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 60)]
+    want = run(engine(models, True, False), ps[:2], params)
+    hit = 0
+    for k in range(1, 8):
+        eng = engine(models, True, True)
+        eng.add_request(ps[0], params[0], request_id="0")
+        outs = {}
+        for _ in range(k):
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        eng.add_request(ps[1], params[1], request_id="1")
+        while eng.has_unfinished():
+            hit += not eng._inflight and eng._pending_join is not None
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        assert {i: o.token_ids for i, o in outs.items()} == {i: o.token_ids for i, o in want.items()}, k
+        assert eng.scheduler.target_pool.num_free == eng.scheduler.target_pool.capacity
+    assert hit, "no chain ended while a request waited to join it"
