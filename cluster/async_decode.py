@@ -345,7 +345,7 @@ class AsyncSteps:
                 with drafter_part("a chain's start") if w is self.drafter else nullcontext():
                     w.begin_chain()
 
-    def _can_chain(self, requests: list[Request], joining: list[Request] = ()) -> bool:
+    def _can_chain(self, requests: list[Request]) -> bool:
         """Whether the steps after those in flight for ``requests`` may be
         launched before their results are applied: the rows still running
         (finished ones ride along as padding while ``_finished_rows_ride``
@@ -353,17 +353,16 @@ class AsyncSteps:
         scheduling would admit now unless it may join the chain
         (``_join_next``: chain_admit.py; one that does not fit waits for a
         finish, which drains), and room to reserve every row's blocks two
-        verify blocks ahead. ``joining``: requests admitted last cycle, whose
-        prefill is queued; they join this cycle's step."""
+        verify blocks ahead."""
         sched, B = self.scheduler, self.block_size
         self._join_next = 0
         live = [r for r in requests if not r.finished]
-        if not live or len(sched.running) != len(live) + len(joining):
+        if not live or len(sched.running) != len(live):
             return self._drain("rows changed")
         joins = may_join(self, requests) if self._rows_may_finish() else 0
         if not joins and sched.could_admit(len(live) * B):
             return self._drain("admission")
-        if len(live) < len(requests) and not self._finished_rows_ride(len(requests), len(live), joins + len(joining)):
+        if len(live) < len(requests) and not self._finished_rows_ride(len(requests), len(live), joins):
             return self._drain("a row finished")
         # ``prev`` emits at least one token, the last: without padding rows a
         # row with one token left would run a step past its end.

@@ -4,14 +4,11 @@ A chain can start at the prefill that finishes its prompts
 (``chain_from_prefill``): its first decode step opens with the first tokens
 the prefill left on the device and is launched before the host reads them.
 
-A request can also join a running chain in place of a finished row, or as
-a row more, over two engine cycles: in the first (``start_join``) its
-prompt's prefill, first-token sampling and drafter context store are
-queued behind the chain's step just launched, nothing read; in the next,
-its row's state is written into the step graphs' buffers on the device
-and the chain's next step launched with it, and only then are its first
-tokens read (``finish_join``). The host's work for a join thus runs while
-the GPU has steps queued. Under churn (a closed
+A request can also join a running chain (``join_chain``) in place of a
+finished row, or as a row more: its prompt is prefilled alone in a
+synchronous step queued behind the chain's step in flight, its row's state
+written into the step graphs' buffers on the device, and the chain's next
+step launched with it before the host reads anything. Under churn (a closed
 loop at c=64 admits a request every step or two) draining the chain at each
 admission cost a synchronous step and a chain restart each time, and rows
 of a speculative engine finish at different steps where an autoregressive
@@ -22,15 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from dataclasses import dataclass
-
 from specray import async_decode
 from specray.chain_rows import batch_mode
-from specray.plan import TargetBatch
 from specray.request import Request, RequestOutput
-from specray.scheduler import PrefillItem, StepPlan
-from specray.step_wait import result_wait
-from specray.sync_accept import AcceptedOnDevice
+from specray.scheduler import StepPlan
 
 
 def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> async_decode.InflightStep | None:
@@ -91,26 +83,14 @@ def may_join(core, rows: list[Request]) -> int:
     return count
 
 
-@dataclass
-class PendingJoin:
-    """Requests admitted into the running chain whose prompts' prefill is
-    queued behind its step in flight; they join at the next step launched."""
-
-    items: list[PrefillItem]
-    batch: TargetBatch
-    accepted: AcceptedOnDevice  # their first tokens on the device, the copy to the host queued
-
-    def joining(self) -> list[Request]:
-        return [p.request for p in self.items if not p.request.finished]  # an abort may end one meanwhile
-
-
-def start_join(core, count: int) -> PendingJoin | None:
+def join_chain(core, rows: list[Request], count: int, t0: float) -> list[RequestOutput] | None:
     """Admit up to ``count`` requests at the head of the queue into the
-    running chain and queue their prompts' prefill (one captured graph a
-    prompt on a GPU), their first tokens' sampling and their drafter
-    context store behind the chain's step just launched, reading nothing:
-    the host's work here overlaps the GPU's steps. None where none fits any
-    more (the blocks the chain reserved since ``may_join`` looked)."""
+    running chain of ``rows`` (the step in flight's): a synchronous step
+    prefills their prompts and, before reading its results, launches the
+    chain's next step with them in finished rows' places (then as rows
+    more); ``core._inflight`` is that step. Returns the prefill's outputs
+    (the first tokens), or None where none fits any more (the blocks the
+    chain reserved since ``may_join`` looked)."""
     sched = core.scheduler
     items = []
     while len(items) < count and sched.waiting and sched.fits_whole(sched.waiting[0]):
@@ -121,37 +101,21 @@ def start_join(core, count: int) -> PendingJoin | None:
             raise RuntimeError(f"request {r.request_id}: no room for its first block, though admitted with it")
     if not items:
         return None
-    batch, _, _, logit_rows = core._target_batch([], items)
-    logits = core.target.execute(batch)
-    # Joining requests read no verify rows (async_capable): no log
-    # probabilities or penalties; min_tokens' mask is the synchronous step's.
-    core._mask_early_stops([], items, logits, logit_rows, batch.uniform_rows)
-    accepted = core._accept([], items, logits, logit_rows, None, None, batch)
-    _store_prompts(core, StepPlan(prefill=items))
+    plan = StepPlan(prefill=items)
+
+    def launch(first_tokens: torch.Tensor) -> async_decode.InflightStep:
+        _store_prompts(core, plan)
+        joined_rows, places = list(rows), []
+        free = (k for k, q in enumerate(rows) if q.finished)
+        for p in items:
+            k = next(free, len(joined_rows))
+            joined_rows[k:k + 1] = [p.request]
+            places.append(k)
+        return async_decode.launch_decode(core, joined_rows, chained=True, first_tokens=first_tokens,
+                                          spec=core.speculate(joined_rows), joined=tuple(places))
+
     core.num_chain_joins += len(items)
-    return PendingJoin(items, batch, accepted)
-
-
-def join_rows_of(rows: list[Request], joining: list[Request]) -> tuple[list[Request], tuple[int, ...]]:
-    """The chain's rows with ``joining`` in finished rows' places (then as
-    rows more), and the places they took."""
-    joined, places = list(rows), []
-    free = (k for k, q in enumerate(rows) if q.finished)
-    for r in joining:
-        k = next(free, len(joined))
-        joined[k:k + 1] = [r]
-        places.append(k)
-    return joined, tuple(places)
-
-
-def finish_join(core, pending: PendingJoin) -> list[RequestOutput]:
-    """Read a join's prefill results and apply them (the first tokens; the
-    prompts' context is stored already), after its requests' first chain
-    step was launched, or the chain drained."""
-    n_acc, bonus, drafts, firsts = pending.accepted.read(result_wait(core))
-    live = [(p, t) for p, t in zip(pending.items, firsts) if not p.request.finished]
-    return core._apply([], [p for p, _ in live], (n_acc, bonus, drafts, [t for _, t in live]), pending.batch,
-                       chained=True)
+    return core._sync_step(plan, t0, launch)
 
 
 def _room_after_first_token(core, r: Request) -> bool:

@@ -28,7 +28,7 @@ import torch
 
 from specray.actors.kv_cache import BlockAllocator
 from specray.async_decode import AsyncSteps, InflightStep, launch_decode
-from specray.chain_admit import chain_from_prefill, finish_join, join_rows_of, start_join
+from specray.chain_admit import chain_from_prefill, join_chain
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import decodes_in_runs, max_prompt_chars, text_decoder
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
@@ -131,7 +131,6 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
-        self._pending_join = None  # requests whose prefill is queued to join the chain next cycle (chain_admit.py)
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
@@ -169,10 +168,6 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._observe_cycle(t0)
-        if not self._inflight and self._pending_join is not None:
-            # The chain it was to join ended (its rows all finished): its requests' first tokens now.
-            pending, self._pending_join = self._pending_join, None
-            return finish_join(self, pending)
         if not self._inflight:
             plan = self._shape_admission(self.scheduler.schedule())
             if not self._async_eligible(plan):
@@ -182,30 +177,24 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         # GPU runs them while the host applies these (async_decode.py).
         prev = self._inflight
         everyone = [r for p in prev for r in p.requests]
-        pending, self._pending_join = self._pending_join, None
-        chained = self._can_chain(everyone, pending.joining() if pending else [])
-        if chained and pending and pending.joining():
-            # The requests whose prefill the last cycle queued join here (chain_admit.py).
-            rows, places = join_rows_of(everyone, pending.joining())
-            self._inflight = [launch_decode(self, rows, chained=True, first_tokens=pending.accepted.first_tokens,
-                                            spec=self.speculate(rows), joined=places)]
-            self._observed_kind = None  # its cycle carries the join's host work: the policy does not time it
-        else:
+        chained = self._can_chain(everyone)
+        joined_outputs = None
+        if chained and self._join_next:
+            self._inflight = []
+            # a prefill step whose launch of the next step takes the requests in
+            joined_outputs = join_chain(self, everyone, self._join_next, t0)
+            self._observed_kind = None  # the cycle carries a prefill: the policy does not time it
+        if joined_outputs is None:
             spec = chained and self.speculate(everyone)
             self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \
                 if chained else []
         if not chained:
             self._join_lanes()
-        # Requests admitted now have their prefill queued behind the step just launched.
-        self._pending_join = start_join(self, self._join_next) if chained and self._join_next else None
-        if self._pending_join is not None:
-            self._observed_kind = None  # this cycle carries the join's host work: not timed either
-        joined_outputs = finish_join(self, pending) if pending else []
         for p in prev:  # a bounded wait (NCCL) reads every lane before any is applied: a lost drafter drops all
             wait = result_wait(self, p.captured)
             if wait is not None:
                 p.wait(wait)
-        outputs = joined_outputs + [o for p in prev for o in self._apply_inflight(p, chained=chained)]
+        outputs = (joined_outputs or []) + [o for p in prev for o in self._apply_inflight(p, chained=chained)]
         self.async_gpu_s += sum(p.gpu_seconds() for p in prev)
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
@@ -248,7 +237,9 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             return False
         return all(p.end - p.start <= max(graphs) for p in items)
 
-    def _sync_step(self, plan, t0: float) -> list[RequestOutput]:
+    def _sync_step(self, plan, t0: float, launch_chain=None) -> list[RequestOutput]:
+        """``launch_chain(first_tokens)``: launches the chain step that
+        follows this prefill (``join_chain``), in place of ``chain_from_prefill``."""
         stats = StepStats(len(plan.decode), sum(p.end - p.start for p in plan.prefill))
         if plan.empty:
             self.last_step = stats
@@ -307,7 +298,10 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         accepted = self._accept(decode, plan.prefill, logits, logit_rows, drafts, st_dev, batch)
         # Prompts that finished here may start their chain of asynchronous
         # steps now, from their first tokens on the device (async_decode.py).
-        chain = chain_from_prefill(self, plan, accepted.first_tokens) if accepted.first_tokens is not None else None
+        chain = None
+        if accepted.first_tokens is not None:
+            chain = launch_chain(accepted.first_tokens) if launch_chain is not None else \
+                chain_from_prefill(self, plan, accepted.first_tokens)
         results = accepted.read(result_wait(self))
         if lookup is not None:
             self._count_lookups(decode, lookup, results[2])
@@ -315,7 +309,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         outputs = self._apply(decode, plan.prefill, results, batch, chained=chain is not None, logprobs=logprobs,
                               path_rows=accepted.path_rows)
         if chain is not None:
-            self.num_prefill_chains += 1
+            self.num_prefill_chains += launch_chain is None
             if not all(r.finished for r in chain.requests):
                 self._inflight = [chain]
         stats.total = time.perf_counter() - t0
