@@ -384,7 +384,7 @@ class AsyncSteps:
         into finished rows' places: one lane, rank 0's own graphs (a drafter
         or TP followers in other processes keep row state of their own,
         which no padding or joining write reaches)."""
-        return self.config.admit_into_chain and len(self._inflight) <= 1 and not self._peers()
+        return self._join_unsupported() is None and len(self._inflight) <= 1
 
     def _finished_rows_ride(self, rows: int, live: int, joins: int) -> bool:
         """Whether the chain goes on with ``rows - live`` finished rows as

@@ -357,7 +357,20 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         out["overlap"] = feature(self._overlap_unsupported() is None, self._overlap_unsupported())
         if out["overlap"]["on"]:
             out["overlap"]["min_batch"] = self.config.overlap_min_batch
+        out["admit_into_chain"] = feature(self._join_unsupported() is None, self._join_unsupported())
+        if out["admit_into_chain"]["on"] and out["overlap"]["on"]:
+            out["admit_into_chain"]["note"] = "one-lane chains only (batches below overlap_min_batch)"
         return out
+
+    def _join_unsupported(self) -> str | None:
+        """Why waiting requests may not join running chains (chain_admit.py)."""
+        if not self.config.admit_into_chain:
+            return "turned off (admit_into_chain=False)"
+        if self._async_unsupported() is not None:
+            return "needs async_scheduling"
+        if self._peers():
+            return "not built for a drafter or TP followers in other processes (they keep row state of their own)"
+        return None
 
     # --------------------------------------------------------------- apply
     def _sync(self) -> None:

@@ -519,3 +519,10 @@ def test_a_finished_row_near_the_length_limit_rides_as_padding(models, drafter):
     want, _ = closed_loop(engine(models, drafter, False), ps, params, 4)
     got, _ = closed_loop(engine(models, drafter, True), ps, params, 4)
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+
+
+def test_features_say_whether_requests_join_running_chains(models):
+    assert engine(models, True, True).features()["admit_into_chain"] == {"on": True}
+    off = engine(models, True, True, admit_into_chain=False).features()["admit_into_chain"]
+    assert off == {"on": False, "reason": "turned off (admit_into_chain=False)"}
+    assert engine(models, True, False).features()["admit_into_chain"] == {"on": False, "reason": "needs async_scheduling"}
