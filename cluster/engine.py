@@ -133,6 +133,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
+        self.cycle_costs: dict[str, list] = {}  # _count_cycle
         self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
 
     # ----------------------------------------------------------- admission
@@ -205,7 +206,21 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self._cycle = (t0, prev) if self._inflight and not captured else None
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         self.async_wall_s += self.last_step.total
+        self._count_cycle(prev, joined_outputs is not None, outputs)
         return outputs
+
+    def _count_cycle(self, applied: list[InflightStep], joined: bool, outputs: list[RequestOutput]) -> None:
+        """``cycle_costs``: the async cycles by the kind and padded size of
+        the step they applied and whether requests joined in them: count,
+        wall and GPU seconds, tokens emitted (where a speculative engine's
+        time goes, beside the policy's own view: bench/concurrency_sweep.py)."""
+        p = applied[0]
+        key = f"{p.padded}{'s' if p.spec and self.drafter is not None else 'a'}{'+join' if joined else ''}"
+        c = self.cycle_costs.setdefault(key, [0, 0.0, 0.0, 0])
+        c[0] += 1
+        c[1] += self.last_step.total
+        c[2] += sum(q.gpu_seconds() for q in applied)
+        c[3] += sum(len(o.delta_token_ids) for o in outputs)
 
     def _shape_admission(self, plan):
         """A step that admits prompts while others decode runs the prompts

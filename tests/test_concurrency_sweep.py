@@ -43,6 +43,12 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
         assert p["spec_steps"]["steps"] >= 2 * p["requests"] // p["concurrency"]
         assert 0 < p["spec_steps"]["async_steps"] < p["spec_steps"]["steps"]
         assert p["ar_steps"]["steps"] > p["spec_steps"]["steps"]
+        # every async cycle is counted once, by the step it applied ("<padded>s", "+join" where requests joined)
+        for eng in ("spec_steps", "ar_steps"):
+            cycles = p[eng]["cycles"]
+            assert sum(v["n"] for v in cycles.values()) == p[eng]["async_steps"], cycles
+        assert all(k.rstrip("+join")[-1] == "s" for k in p["spec_steps"]["cycles"])
+        assert all(k.rstrip("+join")[-1] == "a" for k in p["ar_steps"]["cycles"])
     stdout = capsys.readouterr().out
     assert stdout.count("ORACLE ACCEPTANCE const:1.0") >= 4  # every line of the run says so
 
