@@ -1,0 +1,177 @@
+"""How close a target's decode step runs to the GPU's memory bandwidth, and
+what verifying a block costs against one autoregressive row, one run:
+
+* the device's copy bandwidth (a 2 GiB device-to-device copy, read + write);
+* the target's forward at batch 1 replayed as a CUDA graph, 1 row (an
+  autoregressive step) and ``--block`` rows (a chain's verify block), over a
+  context of ``--context`` tokens: CUDA events around ``--replays`` replays;
+* the engine's whole autoregressive step at batch 1 (asynchronous step
+  graphs: forward, sampling, the host's apply), wall time per token.
+
+Bytes read a step are the weights (less an untied embedding table, of
+which a step reads one row) plus the context's K/V. ``of_copy_bandwidth`` is those bytes
+over the step time, over the copy bandwidth.
+
+    python bench/decode_efficiency.py --random-shape qwen3-8b --out results/h200_decode_efficiency_qwen3_8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specray import LLM, SamplingParams
+from specray.actors.graphs import DecodeGraphs
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(device)
+    return 2 * nbytes * 10 / (time.perf_counter() - t)
+
+
+def checkpoint_bytes(path: str, itemsize: int) -> int:
+    """The checkpoint's weights at ``itemsize`` bytes an element (what the
+    engine holds; counted from the files, which the CPU's allocator does not report)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                n += _numel(st.get_slice(k).get_shape())
+    return n * itemsize
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> float:
+    """Seconds a batch-1 forward of ``rows`` query rows over ``context``
+    cached tokens takes, replayed as a graph (on the CPU: run eagerly)."""
+    bufs, per_seq, forward = worker._static_forward(rows, 1, kv_block, want_hidden=False, one_logits_row=False)
+    graphs = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, worker.device)
+    blocks = -(-context // kv_block)
+    positions = torch.arange(context - rows, context, dtype=torch.int64)
+    # Blocks 1..: the engine holds no request, its cache is the bench's.
+    table = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
+    inputs = {"input_ids": torch.randint(1, worker.spec.vocab_size, (rows,)), "positions": positions,
+              "slot_mapping": (positions // kv_block + 1) * kv_block + positions % kv_block,
+              "seq_lens": torch.tensor([context]), "block_tables": table}
+    for _ in range(3):
+        graphs.run(1, inputs)
+    dev = worker.device
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(replays):
+            graphs.run(1, inputs)
+        return (time.perf_counter() - t) / replays
+    graph = graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(dev)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    sync(dev)
+    return start.elapsed_time(end) / 1000 / replays
+
+
+def engine_step_s(llm: LLM, steps: int) -> float:
+    """Wall seconds per token of the engine's autoregressive decode at batch 1."""
+    core = llm.engine
+    rid = core.add_request(list(range(100, 164)), SamplingParams(temperature=0, max_tokens=steps + 64,
+                                                                 ignore_eos=True))
+    for _ in range(16):  # prefill, graph captures, the chain under way
+        core.step()
+    sync(core.device)
+    before = sum(len(r.output_token_ids) for r in core.requests.values())
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(core.device)
+    dt = time.perf_counter() - t
+    tokens = sum(len(r.output_token_ids) for r in core.requests.values()) - before
+    core.abort_request(rid)
+    return dt / tokens
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target")
+    p.add_argument("--random-shape", help="write (once) and use a random Qwen3 target of this shape "
+                                          "(examples/scaling_sweep.py SHAPES)")
+    p.add_argument("--ckpt-dir", default="runs/random-checkpoints")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    target = args.target
+    if args.random_shape:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from scaling_sweep import random_checkpoints
+
+        target, _ = random_checkpoints(Path(args.ckpt_dir), args.random_shape)
+    if not target:
+        raise SystemExit("give --target DIR or --random-shape NAME")
+    llm = LLM(target, None, device=args.device, dtype=args.dtype, max_model_len=args.context + 2 * args.block + 256,
+              max_num_seqs=4, gpu_memory_utilization=0.5)
+    core = llm.engine
+    worker = getattr(core.target, "worker", core.target)
+    dev = worker.device
+    bandwidth = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (64 << 20))
+    m = worker.model
+    weight_bytes = checkpoint_bytes(target, m.embed.element_size())
+    # An untied embedding table is read a row a step; a tied one is the LM head.
+    embed_bytes = 0 if m.lm_head is m.embed else m.embed.numel() * m.embed.element_size()
+    step_bytes = weight_bytes - embed_bytes + worker.bytes_per_block(1) * args.context
+    kv_block = core.config.kv_block_size
+    ar_s = forward_s(worker, 1, args.context, kv_block, args.replays)
+    verify_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
+    step_s = engine_step_s(llm, args.steps)
+    report = {
+        "target": target, "device": str(dev), "dtype": args.dtype, "context": args.context,
+        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+        "weight_bytes": weight_bytes, "bytes_read_per_step": step_bytes,
+        "weight_GB": round(weight_bytes / 1e9, 3), "bytes_read_per_step_GB": round(step_bytes / 1e9, 3),
+        "forward_ar_ms": round(1000 * ar_s, 4), f"forward_verify{args.block}_ms": round(1000 * verify_s, 4),
+        f"verify{args.block}_over_ar": round(verify_s / ar_s, 3),
+        "forward_ar_of_copy_bandwidth": round(step_bytes / ar_s / bandwidth, 3),
+        "engine_ar_ms_per_token": round(1000 * step_s, 4), "engine_ar_tok_s": round(1 / step_s, 1),
+        "engine_ar_of_copy_bandwidth": round(step_bytes / step_s / bandwidth, 3),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+    }
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    llm.shutdown()
+    return report
+
+
+if __name__ == "__main__":
+    main()
