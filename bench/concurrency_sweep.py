@@ -20,9 +20,12 @@ real forward but verifies the recorded continuation cut by the profile.
 Their speculative tokens/s is the system's throughput at that acceptance,
 never a measure of a drafter; every point, the run's settings, stdout and
 the plot title carry ``oracle_acceptance``. Greedy only. The oracle engine
-drafts chains (no draft trees, no prompt lookups, no adaptive
-autoregressive steps); the AR engine runs the engine's defaults; both use
-asynchronous step graphs on a GPU.
+drafts chains (no draft trees, no prompt lookups); the AR engine runs the
+engine's defaults; both use asynchronous step graphs on a GPU.
+
+``--policy fixed`` runs the speculative engine without the adaptive policy
+(every step verifies a whole block); a point's ``policy`` says which, and
+points of both policies live side by side in the file and the plot.
 
 Concurrency is closed-loop: ``c`` requests in flight, a new one admitted
 as soon as one finishes, ``--rounds * c`` requests a point (at least
@@ -209,10 +212,12 @@ def sweep(args) -> dict:
     common = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=max(args.concurrency), profile_steps=True)
     # Left out: the engine's defaults (on a GPU: CUDA graphs, asynchronous steps).
+    spec_settings = (dict(ORACLE_ENGINE_SETTINGS) if profile else {}) | \
+        ({"adaptive_speculation": False} if args.policy == "fixed" else {})
     common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling),
                                  ("gpu_memory_utilization", args.gpu_memory_utilization),
                                  ("admit_into_chain", args.admit_into_chain)) if v is not None}
-    run = {"model": args.model, "oracle_acceptance": label, "target": target, "drafter": drafter,
+    run = {"model": args.model, "oracle_acceptance": label, "policy": args.policy, "target": target, "drafter": drafter,
            "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
            "concurrency": args.concurrency, "temperatures": args.temperatures,
            "loop": "closed-loop, in-process EngineCore.step", "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -220,6 +225,7 @@ def sweep(args) -> dict:
         run["oracle_profile_source"] = profile.source
         run["oracle_profile_survival"] = list(profile.survival[:32])
         run["oracle_engine_settings"] = ORACLE_ENGINE_SETTINGS
+    run["spec_settings"] = spec_settings
     ar_points: dict[tuple, dict] = {}
     captures = CaptureCounter()
     points: list[dict] = []
@@ -245,7 +251,8 @@ def sweep(args) -> dict:
 
     def spec_point(c, temp, outs, secs, steps, paired=None):
         s, a = summarize(outs, secs), ar_points[(c, temp)]
-        point = {"model": args.model, "oracle_acceptance": label, "concurrency": c, "temperature": temp,
+        point = {"model": args.model, "oracle_acceptance": label, "policy": args.policy, "concurrency": c,
+                 "temperature": temp,
                  "spec_tok_s": round(s["tok_s"], 2), "ar_tok_s": round(a["summary"]["tok_s"], 2),
                  "speedup": round(s["tok_s"] / a["summary"]["tok_s"], 3),
                  "mean_acceptance_length": round(s["mean_acceptance_length"], 3)
@@ -275,7 +282,7 @@ def sweep(args) -> dict:
         write(args, run, points)
 
     def build_spec():
-        spec = LLM(target, drafter, **(common | mem), **(ORACLE_ENGINE_SETTINGS if oracle else {}))
+        spec = LLM(target, drafter, **(common | mem), **spec_settings)
         if oracle is not None:
             install_oracle(spec.engine, oracle)
         run["block_size"] = spec.engine.block_size
@@ -314,7 +321,14 @@ def sweep(args) -> dict:
 
 
 def _point_id(p: dict) -> tuple:
-    return p.get("model"), p.get("oracle_acceptance"), p.get("concurrency"), p.get("temperature")
+    return p.get("model"), p.get("oracle_acceptance"), policy_of(p), p.get("concurrency"), p.get("temperature")
+
+
+def policy_of(p: dict) -> str:
+    """A point's policy; points written before the field had oracle runs on
+    fixed chains (the oracle then required it) and the embedded pair on the
+    engine's adaptive default."""
+    return p.get("policy") or ("fixed" if p.get("oracle_acceptance") else "adaptive")
 
 
 def write(args, run: dict, points: list[dict]) -> dict:
@@ -327,11 +341,12 @@ def write(args, run: dict, points: list[dict]) -> dict:
     if path.is_file() and not args.fresh:
         report = json.loads(path.read_text())
     mine = {_point_id(p) for p in points}
-    report["points"] = [p for p in report.get("points", []) if _point_id(p) not in mine]
+    report["points"] = [p | {"policy": policy_of(p)} for p in report.get("points", []) if _point_id(p) not in mine]
     report["points"] += points
-    report["points"].sort(key=lambda p: (str(p.get("model")), str(p.get("oracle_acceptance")),
+    report["points"].sort(key=lambda p: (str(p.get("model")), str(p.get("oracle_acceptance")), p["policy"],
                                          p.get("temperature") or 0, p.get("concurrency") or 0))
-    key = run["model"] + (f"@{run['oracle_acceptance']}" if run["oracle_acceptance"] else "")
+    key = run["model"] + (f"@{run['oracle_acceptance']}" if run["oracle_acceptance"] else "") + \
+        ("#fixed" if run.get("policy") == "fixed" else "")
     report.setdefault("runs", {})[key] = run
     report["description"] = ("spec vs AR tok/s, closed-loop concurrency, in process (bench/concurrency_sweep.py). "
                               "Points with oracle_acceptance set are ORACLE ACCEPTANCE runs: a random-weight "
@@ -353,12 +368,12 @@ def plot(report: dict, path: str) -> bool:
         return False
     series: dict[tuple, list] = {}
     for p in report["points"]:
-        series.setdefault((p["model"], p.get("oracle_acceptance"), p["temperature"]), []).append(p)
+        series.setdefault((p["model"], p.get("oracle_acceptance"), policy_of(p), p["temperature"]), []).append(p)
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     xs_all = sorted({p["concurrency"] for p in report["points"]})
-    for (model, oracle, temp), pts in sorted(series.items(), key=str):
+    for (model, oracle, policy, temp), pts in sorted(series.items(), key=str):
         pts.sort(key=lambda p: p["concurrency"])
-        name = f"{model}" + (f" [oracle {oracle}]" if oracle else "") + f" T={temp:g}"
+        name = f"{model}" + (f" [oracle {oracle}]" if oracle else "") + f" {policy} T={temp:g}"
         xs = [p["concurrency"] for p in pts]
         line, = ax.plot(xs, [p["spec_tok_s"] for p in pts], marker="o", label=f"{name} spec")
         ax.plot(xs, [p["ar_tok_s"] for p in pts], marker="x", linestyle="--", color=line.get_color(),
@@ -389,6 +404,8 @@ def main(argv=None) -> dict:
     p.add_argument("--oracle-acceptance", default="paper-qwen3-8b-gsm8k",
                    help="*-oracle models: a profile (specray.oracle.PROFILES: paper-qwen3-8b-gsm8k, "
                         "embedded-eval) or const:P")
+    p.add_argument("--policy", choices=["adaptive", "fixed"], default="adaptive",
+                   help="the speculative engine's: the adaptive policy (the default) or fixed blocks every step")
     p.add_argument("--target", help="embedded: another target directory")
     p.add_argument("--drafter", help="embedded: another drafter directory")
     p.add_argument("--ckpt-dir", default="/tmp/specray-random-checkpoints",

@@ -31,7 +31,9 @@ then on.
 What this is not: a measure of speculation quality. It measures what the
 system does with a given acceptance (step costs, batching, scheduling);
 the acceptance itself is an input. Greedy (T=0) only, chains only (no
-draft trees, no prompt lookups), in-process engines only.
+draft trees, no prompt lookups), in-process engines only. The adaptive
+policy's autoregressive steps (spec_policy.py) verify no drafts; the draws
+go by position, so a speculative step after them draws what it would have.
 """
 
 from __future__ import annotations
@@ -49,9 +51,8 @@ from specray.sampling import hash_uniform
 STREAM_ORACLE = 11  # the hash stream of the oracle's draws (sampling uses 1..3)
 
 # The engine settings oracle mode needs: drafts are chains the oracle
-# rewrites, so no prompt lookups (they replace drafts), no draft trees and
-# no adaptive autoregressive steps (which skip the drafts).
-ORACLE_ENGINE_SETTINGS = dict(prompt_lookup_min=0, draft_tree=False, adaptive_speculation=False)
+# rewrites, so no prompt lookups (they replace drafts) and no draft trees.
+ORACLE_ENGINE_SETTINGS = dict(prompt_lookup_min=0, draft_tree=False)
 
 
 @dataclass(frozen=True)
@@ -324,8 +325,6 @@ def oracle_unsupported(engine) -> str | None:
         return "drafts chains only: build the engine with draft_tree=False"
     if engine.config.prompt_lookup_min:
         return "prompt lookups replace drafts: build the engine with prompt_lookup_min=0"
-    if engine.policy is not None:
-        return "adaptive speculation skips drafts: build the engine with adaptive_speculation=False"
     if engine._step_graphs:
         return "must be installed before the engine's first step graphs are built"
     return None

@@ -27,10 +27,13 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
                        "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "1", "2", "--max-tokens", "12",
                        "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "64", "--no-warmup",
                        # the padded path and asynchronous step graphs, as on a GPU, through LLM's fault guard
-                       "--cuda-graphs", "--async-scheduling", "--out", str(out)])
+                       "--cuda-graphs", "--async-scheduling", "--policy", "fixed", "--out", str(out)])
     assert json.loads(out.read_text()) == report
     mine = [p for p in report["points"] if p["model"] == "tiny-oracle"]
-    assert other in report["points"] and set(report["runs"]) == {"embedded", "tiny-oracle@const:1.0"}
+    # a point written before the policy field: the embedded pair ran the adaptive default
+    other["policy"] = "adaptive"
+    assert other in report["points"] and set(report["runs"]) == {"embedded", "tiny-oracle@const:1.0#fixed"}
+    assert all(p["policy"] == "fixed" for p in mine)
     assert [p["concurrency"] for p in mine] == [1, 2]
     for p in mine:
         assert POINT_KEYS <= set(p) and p["oracle_acceptance"] == "const:1.0"
@@ -52,15 +55,26 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert stdout.count("ORACLE ACCEPTANCE const:1.0") >= 4  # every line of the run says so
 
-    assert report["runs"]["tiny-oracle@const:1.0"]["spec_features"]["async_scheduling"]["on"]
+    fixed_run = report["runs"]["tiny-oracle@const:1.0#fixed"]
+    assert fixed_run["spec_features"]["async_scheduling"]["on"]
+    assert not fixed_run["spec_features"]["adaptive_speculation"]["on"]
 
-    # A point of the same model, profile, concurrency and temperature replaces its own; the others stay.
+    # The adaptive policy's points go beside the fixed ones: lossless too.
+    report = mod.main(["--model", "tiny-oracle", "--oracle-acceptance", "const:1.0", "--device", "cpu",
+                       "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "2", "--max-tokens", "12",
+                       "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "64", "--no-warmup",
+                       "--cuda-graphs", "--async-scheduling", "--out", str(out)])
+    adaptive = [p for p in report["points"] if p["model"] == "tiny-oracle" and p["policy"] == "adaptive"]
+    assert [p["concurrency"] for p in adaptive] == [2] and adaptive[0]["identical_outputs"] == adaptive[0]["requests"]
+    assert report["runs"]["tiny-oracle@const:1.0"]["spec_features"]["adaptive_speculation"]["on"]
+    assert [p for p in report["points"] if p["policy"] == "fixed"] == mine
+
+    # A point of the same model, profile, policy, concurrency and temperature replaces its own; the others stay.
     import argparse
 
     again = dict(mine[1], spec_tok_s=123.0)
-    report = mod.write(argparse.Namespace(out=str(out), fresh=False), dict(report["runs"]["tiny-oracle@const:1.0"]),
-                       [again])
-    assert report["points"] == [other, mine[0], again]
+    report = mod.write(argparse.Namespace(out=str(out), fresh=False), dict(fixed_run), [again])
+    assert report["points"] == [other] + adaptive + [mine[0], again]
     assert mod.write(argparse.Namespace(out=str(out), fresh=True), {"model": "embedded", "oracle_acceptance": None},
                      [])["points"] == []
 

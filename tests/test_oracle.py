@@ -23,7 +23,9 @@ def models(tmp_path_factory):
 
 
 def engine(root, drafter: bool, async_: bool = False, **kw):
-    settings = dict(ORACLE_ENGINE_SETTINGS) if drafter else {}
+    # Fixed chains unless a test asks for the adaptive policy: every step's draw is checked.
+    settings = dict(ORACLE_ENGINE_SETTINGS, adaptive_speculation=False) if drafter else {}
+    settings |= {k: kw.pop(k) for k in ("adaptive_speculation",) if k in kw}
     return build_engine(EngineConfig(
         target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4, num_kv_blocks=400,
         max_model_len=128, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_, **settings, **kw))
@@ -140,6 +142,38 @@ def test_profiles_registry():
     for bad in ("const:1.5", "const:x", "nope"):
         with pytest.raises(ValueError):
             get_profile(bad)
+
+
+def test_adaptive_autoregressive_steps_keep_the_oracle_exact(models, recorded, monkeypatch):
+    """The adaptive policy's AR steps (forced here to alternate with
+    speculative ones) verify no drafts; each speculative step still emits
+    its position's draw, and the output stays the target's."""
+    import itertools
+
+    from specray.spec_policy import SpecPolicy
+
+    flips, chosen = itertools.cycle([True, True, False]), []
+    monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: chosen.append(next(flips)) or chosen[-1])
+    ps, params, ar = recorded
+    eng = engine(models, drafter=True, async_=True, adaptive_speculation=True)
+    assert eng.policy is not None
+    oracle = Oracle("const:0.8", eng.target_spec.vocab_size)
+    oracle.record_outputs(ar)
+    install_oracle(eng, oracle)
+    outs = run_engine_to_end(eng, ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    assert oracle.stats.diverged == set() and oracle.stats.unrecorded == 0
+    spec_steps = 0
+    for o in outs:
+        key = torch.tensor([oracle.key(o.prompt_token_ids)])
+        pos, emitted = len(o.prompt_token_ids), 1
+        for n in o.metrics.acceptance_lengths:
+            k = int(oracle.profile.accept_counts(key, torch.tensor([pos]), B - 1)[0])
+            want = min(k + 1, MAX_TOKENS - emitted)
+            assert n in (1, want), (o.metrics.acceptance_lengths, pos, want)
+            spec_steps += n == want and want > 1
+            emitted, pos = emitted + n, pos + n
+    assert spec_steps > 0 and chosen.count(False) > 0
 
 
 def test_refuses_settings_that_bypass_drafts(models):
