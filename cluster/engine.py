@@ -183,9 +183,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         if chained and self._join_next:
             self._inflight = []
             # a prefill step whose launch of the next step takes the requests in
-            # The policy times this cycle too: a join's prefill is work its
-            # requests cost, and speculating meets it more often a step.
             joined_outputs = join_chain(self, everyone, self._join_next, t0)
+            self._observed_kind = None  # the cycle carries a prefill: the policy does not time it
         if joined_outputs is None:
             spec = chained and self.speculate(everyone)
             self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \

@@ -16,11 +16,7 @@ Both sides are measured, not assumed:
   grows with the tokens a step emits, is the limit: on the H200 the
   embedded pair served at c=16 ran 0.73x of autoregressive when only device
   time was weighed), an exponentially weighted mean, each measured on
-  first use by running that kind of step. Cycles that admit requests into
-  the chain count too: a request's prefill is paid once whichever kind
-  decodes it, but a step that emits ``tau`` tokens a row meets ``tau``
-  times the admissions, and under churn (c=64: a join nearly every
-  cycle) the quiet cycles alone underpriced a speculative step;
+  first use by running that kind of step;
 * the tokens a speculative step emits per row, an exponentially weighted
   mean over the engine's recent speculative rows, kept apart for greedy
   and sampled batches (their acceptance differs by half). While steps are
@@ -61,10 +57,6 @@ PROBE_STEPS = 2  # a probe's steps in a row: its first is not measured (it follo
 # every 16 steps cost 13 % of the throughput).
 MAX_PROBE_EVERY = 256
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
-# A kind's first few measurements may each replace its mean when far below
-# it (a cold first step); after that a low reading is an ordinary cycle
-# among join cycles that cost more, and is averaged in.
-FRESH_SAMPLES = 4
 
 
 @dataclass
@@ -76,7 +68,6 @@ class SpecPolicy:
     since_ar: int = 0  # speculative steps since the last autoregressive one
     choices: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     held: int = 0  # steps a probe still holds its kind for
-    samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # measurements of each cost
 
     def choose(self, n_padded: int, kind: str) -> bool:
         """Whether the next step of a batch padded to ``n_padded`` rows of
@@ -115,13 +106,12 @@ class SpecPolicy:
         if seconds > 0:
             key = (n_padded, spec)
             old = self.cost.get(key)
-            count = self.samples[key] = self.samples.get(key, 0) + 1
-            # An early measurement far below the mean replaces it: an
-            # overestimated kind is chosen (and measured) only by the rare
-            # probes, so one slow first step (a graph launched cold) would
+            # A measurement far below the mean replaces it: an overestimated
+            # kind is chosen (and measured) only by the rare probes, so one
+            # slow first step (a graph launched cold, a busy host) would
             # otherwise keep it off for hundreds of steps; an underestimate
             # corrects itself, since that kind runs and is measured.
-            fresh = old is None or (count <= FRESH_SAMPLES and seconds < old / 2)
+            fresh = old is None or seconds < old / 2
             self.cost[key] = seconds if fresh else (1 - ALPHA) * old + ALPHA * seconds
         if spec and tokens_per_row is not None:
             k = _kind(kind)
