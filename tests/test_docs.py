@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 TOP = ("results", "cluster", "actors", "kernels", "bench", "examples", "tests", "docs", "data", "deploy")
-RESULT_PREFIX = re.compile(r"^(h200|h200x2|h200x4|h200x8|cpu)_[\w.*{},\-]*\.[\w*]+$")
+RESULT_PREFIX = re.compile(r"^(h200|h200x2|h200x4|h200x8|h100|cpu)_[\w.*{},\-]*\.[\w*]+$")
 PATHLIKE = re.compile(r"[\w./*{},\-]+")
 LIMITS = {"README.md": 10_000, "results/README.md": 25_000}
 
