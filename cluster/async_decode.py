@@ -277,9 +277,11 @@ class AsyncSteps:
         chain went on: the steps it applied cost the longer of their GPU time
         and the cycle's wall time (launch, apply, and what the serving
         threads did meanwhile). With small models the host is the limit,
-        and its cost grows with the tokens a step emits. A cycle whose step
-        follows one of another kind or batch size, or opens a chain, is not
-        timed (it carries the other step's work); its tokens still count."""
+        and its cost grows with the tokens a step emits. A cycle is timed
+        only in a steady run of one kind and batch size: not where its step
+        follows one of another kind or opens a chain (it carries the other
+        step's work), nor where it launched a step of another kind (its
+        launch is the other kind's); its tokens still count."""
         cycle, self._cycle = self._cycle, None
         if self.policy is None or cycle is None or not self._inflight:
             self._observed_kind = None
@@ -288,13 +290,14 @@ class AsyncSteps:
         if any(p.timing is None for p in steps):  # a graph captured in it
             self._observed_kind = None
             return
-        p = steps[0]
+        p, launched = steps[0], self._inflight[0]  # what the cycle applied, what it launched
         kind, last = (p.padded, p.spec, p.mode), self._observed_kind
         self._observed_kind = kind
         counted = [q for q in steps if q.tokens_per_row is not None]
         rows = sum(len(q.requests) for q in counted)
         tokens = sum(q.tokens_per_row * len(q.requests) for q in counted) / rows if rows else None
-        seconds = max(sum(q.gpu_seconds() for q in steps), now - start) if kind == last else 0.0
+        steady = kind == last == (launched.padded, launched.spec, launched.mode)
+        seconds = max(sum(q.gpu_seconds() for q in steps), now - start) if steady else 0.0
         self.policy.observe(p.padded, p.spec, seconds, p.mode, tokens, rows)
 
     def _adaptive_unsupported(self) -> str | None:

@@ -25,11 +25,11 @@ Both sides are measured, not assumed:
   ``AR_PROBE_EVERY`` steps keeps that cost current, both the rarer the
   further the estimate is from break-even (``probe_every``). A probe is
   ``PROBE_STEPS`` steps in a row, and the engine measures no step whose
-  kind or batch size differs from the step applied before it: such a
-  cycle carries the other kind's host work and its wait for the GPU (on
-  the H200 at c=64 single-step probes read an autoregressive step at
-  2.98 ms where a chain of them ran at 1.49, and the policy kept
-  speculating at 0.39x of the AR engine).
+  kind or batch size differs from the step applied before it or the step
+  launched beside it: such a cycle carries the other kind's host work and
+  its wait for the GPU (on the H200 at c=64 single-step probes read an
+  autoregressive step at 2.98 ms where a chain of them ran at 1.49, and
+  the policy kept speculating at 0.39x of the AR engine).
 
 Exactness does not depend on the choice: every step, of either kind, emits
 the target's tokens (greedy) or its distribution (sampled).
@@ -49,7 +49,10 @@ PROBE_EVERY = 16  # autoregressive steps between two speculative probes
 # Speculative steps between two autoregressive probes: rarer, since at
 # batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
 AR_PROBE_EVERY = 64
-PROBE_STEPS = 2  # a probe's steps in a row: its first is not measured (it follows the other kind)
+# A probe's steps in a row: its first follows the other kind and its last
+# launches it, so only the steps between are measured (on the H100 at c=8
+# T=1, two-step probes priced AR steps at 2.45 ms where they ran at 1.46).
+PROBE_STEPS = 3
 # A probe of the losing kind costs what that kind loses: the further the
 # estimate is from break-even, the rarer the probes, by the square of the
 # winner's advantage, up to this many steps apart (on the H200 at c=64 T=1,

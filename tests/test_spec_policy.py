@@ -106,27 +106,38 @@ def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
 
 
 def test_a_step_after_another_kind_is_not_timed():
-    """The engine times a step only when the step applied before it was of
-    the same kind and batch size: the cycle after a switch (or a chain's
-    start) carries the other step's host work and GPU wait, which made a
-    single autoregressive probe read 2x what a chain of them costs."""
+    """The engine times a step only when the step applied before it and the
+    step launched beside it are of its kind and batch size: the cycle after
+    a switch (or a chain's start) carries the other step's host work and GPU
+    wait, which made a single autoregressive probe read 2x what a chain of
+    them costs, and the cycle that launches the other kind carries that
+    launch (two-step AR probes read 2.45 ms where AR steps ran at 1.46)."""
     eng = type("Eng", (), {})()
-    eng.policy, eng._cycle, eng._inflight, eng._observed_kind = SpecPolicy(block_size=16), None, [object()], None
+    eng.policy, eng._cycle, eng._observed_kind = SpecPolicy(block_size=16), None, None
 
-    def cycle(spec: bool, wall: float):
-        step = InflightStep([object()], None, None, timing=wall / 4, spec=spec, padded=8,
-                            tokens_per_row=2.5 if spec else None)
-        eng._cycle = (100.0, [step])
+    def step(spec: bool, **kw):
+        return InflightStep([object()], None, None, spec=spec, padded=8, **kw)
+
+    def cycle(spec: bool, wall: float, launched: bool | None = None):
+        """A cycle that applied a step of kind ``spec`` and launched one of
+        kind ``launched`` (the same unless given)."""
+        eng._cycle = (100.0, [step(spec, timing=wall / 4, tokens_per_row=2.5 if spec else None)])
+        eng._inflight = [step(spec if launched is None else launched)]
         AsyncSteps._observe_cycle(eng, 100.0 + wall)
 
     cycle(True, 0.004)  # a chain's first step: not timed, its tokens counted
     assert eng.policy.cost == {} and eng.policy.emitted["greedy"] == 2.5
     cycle(True, 0.004)
     assert eng.policy.cost == {(8, True): pytest.approx(0.004)}
+    cycle(True, 0.002, launched=False)  # its launch was an AR step's, not a speculative one's
+    assert eng.policy.cost == {(8, True): pytest.approx(0.004)}
     cycle(False, 0.009)  # follows a speculative step
     assert (8, False) not in eng.policy.cost
     cycle(False, 0.0015)
     assert eng.policy.cost[(8, False)] == pytest.approx(0.0015)
+    cycle(False, 0.0035, launched=True)  # the probe's last step launches the other kind: not timed
+    cycle(True, 0.006)  # follows an AR step
+    assert eng.policy.cost == {(8, True): pytest.approx(0.004), (8, False): pytest.approx(0.0015)}
 
 
 @pytest.fixture(scope="module")
