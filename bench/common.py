@@ -1,11 +1,15 @@
-"""What the engine benchmarks under bench/ share: the model flags and the
-JSON report (scripts run as ``python bench/NAME.py``, so this imports as
+"""What the engine benchmarks under bench/ share: the model flags, a
+random target of a real shape, the device's copy bandwidth and the JSON
+report (scripts run as ``python bench/NAME.py``, so this imports as
 ``common``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
+from pathlib import Path
 
 
 def add_model_args(p: argparse.ArgumentParser, device: str) -> None:
@@ -13,6 +17,45 @@ def add_model_args(p: argparse.ArgumentParser, device: str) -> None:
     p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
     p.add_argument("--no-drafter", action="store_true", help="decode autoregressively")
     p.add_argument("--device", default=device)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """A target directory, or a random Qwen3 target of a named shape."""
+    p.add_argument("--target")
+    p.add_argument("--random-shape", help="write (once) and use a random Qwen3 target of this shape "
+                                          "(examples/scaling_sweep.py SHAPES)")
+    p.add_argument("--ckpt-dir", default="runs/random-checkpoints")
+
+
+def resolve_target(args: argparse.Namespace) -> str:
+    """The target directory ``add_target_args``' flags name."""
+    if args.random_shape:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from scaling_sweep import random_checkpoints
+
+        return random_checkpoints(Path(args.ckpt_dir), args.random_shape)[0]
+    if not args.target:
+        raise SystemExit("give --target DIR or --random-shape NAME")
+    return args.target
+
+
+def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write)."""
+    import torch
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync()
+    return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
 def write_report(path: str | None, report: dict) -> None:

@@ -25,21 +25,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_target_args, copy_bandwidth, resolve_target
+
 from specray import LLM, SamplingParams
 from specray.actors.graphs import DecodeGraphs
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    sync(device)
-    return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
 def checkpoint_bytes(path: str, itemsize: int) -> int:
@@ -119,10 +109,7 @@ def engine_step_s(llm: LLM, steps: int) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target")
-    p.add_argument("--random-shape", help="write (once) and use a random Qwen3 target of this shape "
-                                          "(examples/scaling_sweep.py SHAPES)")
-    p.add_argument("--ckpt-dir", default="runs/random-checkpoints")
+    add_target_args(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--context", type=int, default=512)
@@ -131,14 +118,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    target = args.target
-    if args.random_shape:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-        from scaling_sweep import random_checkpoints
-
-        target, _ = random_checkpoints(Path(args.ckpt_dir), args.random_shape)
-    if not target:
-        raise SystemExit("give --target DIR or --random-shape NAME")
+    target = resolve_target(args)
     llm = LLM(target, None, device=args.device, dtype=args.dtype, max_model_len=args.context + 2 * args.block + 256,
               max_num_seqs=4, gpu_memory_utilization=0.5)
     core = llm.engine

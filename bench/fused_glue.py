@@ -18,21 +18,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_target_args, copy_bandwidth, resolve_target
+
 from specray import LLM, SamplingParams
 from specray.kernels import ops
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
 def decode_step_s(llm: LLM, steps: int) -> float:
@@ -52,19 +42,11 @@ def decode_step_s(llm: LLM, steps: int) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--target")
-    p.add_argument("--random-shape", help="write (once) and use a random Qwen3 target of this shape "
-                                          "(examples/scaling_sweep.py SHAPES)")
-    p.add_argument("--ckpt-dir", default="runs/random-checkpoints")
+    add_target_args(p)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    target = args.target
-    if args.random_shape:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-        from scaling_sweep import random_checkpoints
-
-        target, _ = random_checkpoints(Path(args.ckpt_dir), args.random_shape)
+    target = resolve_target(args)
     bandwidth = copy_bandwidth()
     res = {"target": target, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3)}
     fused = ops._fused
