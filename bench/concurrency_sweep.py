@@ -216,7 +216,8 @@ def sweep(args) -> dict:
         ({"adaptive_speculation": False} if args.policy == "fixed" else {})
     common |= {k: v for k, v in (("cuda_graphs", args.cuda_graphs), ("async_scheduling", args.async_scheduling),
                                  ("gpu_memory_utilization", args.gpu_memory_utilization),
-                                 ("admit_into_chain", args.admit_into_chain)) if v is not None}
+                                 ("admit_into_chain", args.admit_into_chain), ("join_batch", args.join_batch),
+                                 ("join_wait_steps", args.join_wait_steps)) if v is not None}
     run = {"model": args.model, "oracle_acceptance": label, "policy": args.policy, "target": target, "drafter": drafter,
            "device": args.device, "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
            "concurrency": args.concurrency, "temperatures": args.temperatures,
@@ -429,6 +430,8 @@ def main(argv=None) -> dict:
                    help="both engines (default: the engine's; 0.4 when --interleave keeps both resident)")
     p.add_argument("--admit-into-chain", action=argparse.BooleanOptionalAction, default=None,
                    help="both engines (default: the engine's, on): waiting requests join running chains")
+    p.add_argument("--join-batch", type=int, help="both engines: requests that join a chain together (join_batch)")
+    p.add_argument("--join-wait-steps", type=int, help="both engines: steps a join waits for them at most")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--repeats", type=int, default=3,
                    help="interleaved: timed runs a point, each AR then speculative; a point reports the median "

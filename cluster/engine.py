@@ -131,6 +131,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
+        self._join_waited = 0  # steps those requests have waited to join together (join_batch)
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self.cycle_costs: dict[str, list] = {}  # _count_cycle

@@ -491,6 +491,43 @@ def test_requests_join_the_running_chain(models, drafter, each, monkeypatch):
             assert sched.draft_pool.num_free == sched.draft_pool.capacity
 
 
+@pytest.mark.parametrize("drafter", [True, False], ids=["spec", "ar"])
+def test_requests_wait_to_join_together(models, drafter):
+    """``join_batch``: finished rows ride until that many waiting requests
+    may join in one step: the tokens stay the synchronous steps', the
+    requests join in fewer join steps, and the pools end empty."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(2, 319, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (24,), generator=g)]
+    params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
+              for n in torch.randint(6, 40, (24,), generator=g)]
+    want, _ = closed_loop(engine(models, drafter, False), ps, params, 6)
+    join_steps = {}
+    for batch in (1, 3):
+        eng = engine(models, drafter, True, join_batch=batch, join_wait_steps=40)
+        got, _ = closed_loop(eng, ps, params, 6)
+        assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}, batch
+        join_steps[batch] = sum(n for k, (n, *_) in eng.cycle_costs.items() if k.endswith("+join"))
+        assert eng.num_chain_joins >= 12, (batch, eng.num_chain_joins)
+        if batch == 3:
+            assert eng.num_chain_joins >= 2 * join_steps[batch], (eng.num_chain_joins, join_steps)
+        sched = eng.scheduler
+        assert sched.target_pool.num_free == sched.target_pool.capacity
+    assert join_steps[3] < join_steps[1], join_steps
+
+
+def test_a_lone_waiting_request_joins_after_join_wait_steps(models):
+    """With one request in flight at a time beside a long one, no batch of
+    ``join_batch`` ever gathers: each waits ``join_wait_steps`` and joins."""
+    ps = prompts()[:4]
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] + \
+        [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 3
+    want, _ = closed_loop(engine(models, True, False), ps, params, 2)
+    eng = engine(models, True, True, join_batch=4, join_wait_steps=2)
+    got, _ = closed_loop(eng, ps, params, 2)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+    assert eng.num_chain_joins >= 2, (eng.num_chain_joins, eng.chain_breaks)
+
+
 def test_only_a_request_of_the_chains_sampling_kind_joins(models):
     """A greedy request joins a greedy chain; a sampled one does not (the
     greedy graphs have no sampling settings to write): that chain drains.

@@ -358,3 +358,10 @@ def test_shutdown_ends_open_streams(ckpt):
         generate_sync(core, [[5, 6]], [SamplingParams(max_tokens=2)])
     with pytest.raises(RuntimeError, match="shut down"):  # a poller past the last output
         core.get_outputs(10**9, 1.0)
+
+
+def test_join_settings_are_checked():
+    with pytest.raises(ConfigError, match="join_batch must be positive"):
+        EngineConfig(target="t", join_batch=0)
+    with pytest.raises(ConfigError, match="join_wait_steps must be 0 or more"):
+        EngineConfig(target="t", join_wait_steps=-1)
