@@ -93,14 +93,15 @@ def step_counters(engine) -> dict:
            "cycles": {k: list(v) for k, v in engine.cycle_costs.items()}}
     if engine.policy is not None:
         snap = engine.policy.snapshot()
-        out |= {"speculative_steps": snap["speculative_steps"], "autoregressive_steps": snap["autoregressive_steps"]}
+        out |= {"speculative_steps": snap["speculative_steps"], "autoregressive_steps": snap["autoregressive_steps"],
+                "measured": snap["measured"]}
     return out
 
 
 def step_summary(engine, before: dict, secs: float) -> dict:
     """What the point's steps were (``step_counters`` since ``before``)."""
     after = step_counters(engine)
-    d = {k: after[k] - before[k] for k in after if k != "cycles"}
+    d = {k: after[k] - before[k] for k in after if k not in ("cycles", "measured")}
     steps = engine.loop_steps
     sync = steps - d["async_steps"]
     per = lambda s, n: round(1000 * s / n, 4) if n else None  # noqa: E731
@@ -112,8 +113,21 @@ def step_summary(engine, before: dict, secs: float) -> dict:
            "chain_joins": d["chain_joins"]}  # requests that joined a running chain (chain_admit.py)
     if "speculative_steps" in d:
         out |= {"speculative_steps": d["speculative_steps"], "autoregressive_steps": d["autoregressive_steps"],
-                "policy_step_ms": engine.policy.snapshot()["step_ms"]}
+                "policy_step_ms": engine.policy.snapshot()["step_ms"],
+                "policy_measured": measured_summary(before["measured"], after["measured"])}
     out["cycles"] = cycle_summary(before["cycles"], after["cycles"])
+    return out
+
+
+def measured_summary(before: dict, after: dict) -> dict:
+    """The steps the policy timed during the point, by padded size and kind:
+    how many and their plain mean (beside ``policy_step_ms``, its moving
+    means, and ``cycles``, what every cycle cost)."""
+    out = {}
+    for key, (n, secs) in after.items():
+        n0, secs0 = before.get(key, (0, 0.0))
+        if n > n0:
+            out[key] = {"n": n - n0, "mean_ms": round(1000 * (secs - secs0) / (n - n0), 3)}
     return out
 
 

@@ -71,6 +71,10 @@ class SpecPolicy:
     since_ar: int = 0  # speculative steps since the last autoregressive one
     choices: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     held: int = 0  # steps a probe still holds its kind for
+    # The timed steps behind ``cost``: count and seconds, unweighted (what
+    # the moving means were made of: bench/concurrency_sweep.py reports it
+    # beside the cycles' own costs).
+    measured: dict[tuple[int, bool], list] = field(default_factory=dict)
 
     def choose(self, n_padded: int, kind: str) -> bool:
         """Whether the next step of a batch padded to ``n_padded`` rows of
@@ -108,6 +112,8 @@ class SpecPolicy:
         ``rows`` rows emitted on average."""
         if seconds > 0:
             key = (n_padded, spec)
+            m = self.measured.setdefault(key, [0, 0.0])
+            m[0], m[1] = m[0] + 1, m[1] + seconds
             old = self.cost.get(key)
             # A measurement far below the mean replaces it: an overestimated
             # kind is chosen (and measured) only by the rare probes, so one
@@ -125,13 +131,18 @@ class SpecPolicy:
     def snapshot(self) -> dict:
         return {"speculative_steps": self.choices[True], "autoregressive_steps": self.choices[False],
                 "tokens_per_speculative_row": dict(self.emitted),
-                "step_ms": {f"{n}{'s' if s else 'a'}": round(1000 * t, 4) for (n, s), t in sorted(self.cost.items())}}
+                "step_ms": {_key(n, s): round(1000 * t, 4) for (n, s), t in sorted(self.cost.items())},
+                "measured": {_key(n, s): list(m) for (n, s), m in sorted(self.measured.items())}}
 
 
 def probe_every(base: int, advantage: float) -> int:
     """Steps between probes of the losing kind when the winner emits
     ``advantage`` times its tokens a second."""
     return int(min(MAX_PROBE_EVERY, base * max(1.0, advantage) ** 2))
+
+
+def _key(n: int, spec: bool) -> str:
+    return f"{n}{'s' if spec else 'a'}"
 
 
 def _kind(kind: str) -> str:

@@ -66,6 +66,9 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
                        "--cuda-graphs", "--async-scheduling", "--out", str(out)])
     adaptive = [p for p in report["points"] if p["model"] == "tiny-oracle" and p["policy"] == "adaptive"]
     assert [p["concurrency"] for p in adaptive] == [2] and adaptive[0]["identical_outputs"] == adaptive[0]["requests"]
+    # the steps the policy timed in the point: counts and plain means, by padded size and kind
+    for key, m in adaptive[0]["spec_steps"]["policy_measured"].items():
+        assert key[-1] in "as" and m["n"] > 0 and m["mean_ms"] > 0
     assert report["runs"]["tiny-oracle@const:1.0"]["spec_features"]["adaptive_speculation"]["on"]
     assert [p for p in report["points"] if p["policy"] == "fixed"] == mine
 

@@ -45,6 +45,8 @@ def test_one_slow_first_measurement_does_not_keep_speculation_off():
     assert p.choose(2, "greedy")  # 2.9 tokens in 1.6 ms beat 1 in 0.94 ms
     p.observe(2, True, 0.0024, "greedy", 2.9)  # ordinary noise is averaged, not taken whole
     assert p.cost[(2, True)] == pytest.approx(0.8 * 0.0016 + 0.2 * 0.0024)
+    # what the means were made of: every timed step, unweighted
+    assert p.snapshot()["measured"] == {"2a": [1, 0.00094], "2s": [3, pytest.approx(0.0116 + 0.0016 + 0.0024)]}
 
 
 def test_policy_probes_autoregressive_steps_while_speculating():
