@@ -197,7 +197,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             if wait is not None:
                 p.wait(wait)
         outputs = (joined_outputs or []) + [o for p in prev for o in self._apply_inflight(p, chained=chained)]
-        self.async_gpu_s += sum(p.gpu_seconds() for p in prev)
+        gpu_s = sum(p.gpu_seconds() for p in prev)
+        self.async_gpu_s += gpu_s
         if self._inflight and all(r.finished for p in self._inflight for r in p.requests):
             self._inflight = []  # their results belong to no one
         self.num_async_steps += 1
@@ -207,10 +208,11 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self._cycle = (t0, prev) if self._inflight and not captured else None
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         self.async_wall_s += self.last_step.total
-        self._count_cycle(prev, joined_outputs is not None, outputs)
+        self._count_cycle(prev, joined_outputs is not None, outputs, gpu_s)
         return outputs
 
-    def _count_cycle(self, applied: list[InflightStep], joined: bool, outputs: list[RequestOutput]) -> None:
+    def _count_cycle(self, applied: list[InflightStep], joined: bool, outputs: list[RequestOutput],
+                     gpu_s: float) -> None:
         """``cycle_costs``: the async cycles by the kind and padded size of
         the step they applied and whether requests joined in them: count,
         wall and GPU seconds, tokens emitted (where a speculative engine's
@@ -220,7 +222,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         c = self.cycle_costs.setdefault(key, [0, 0.0, 0.0, 0])
         c[0] += 1
         c[1] += self.last_step.total
-        c[2] += sum(q.gpu_seconds() for q in applied)
+        c[2] += gpu_s
         c[3] += sum(len(o.delta_token_ids) for o in outputs)
 
     def _shape_admission(self, plan):
