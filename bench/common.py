@@ -39,23 +39,48 @@ def resolve_target(args: argparse.Namespace) -> str:
     return args.target
 
 
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write)."""
     import torch
 
-    def sync():
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
-
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    sync()
+    sync(device)
     t = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    sync()
+    sync(device)
     return 2 * nbytes * 10 / (time.perf_counter() - t)
+
+
+def ar_decode_s(llm, steps: int, warmup: int = 16) -> float:
+    """Wall seconds per token of an engine's autoregressive decode at batch
+    1, after ``warmup`` steps (prefill, graph captures, the chain under way)."""
+    from specray import SamplingParams
+
+    core = llm.engine
+    rid = core.add_request(list(range(100, 164)), SamplingParams(temperature=0, max_tokens=steps + warmup + 64,
+                                                                 ignore_eos=True))
+    for _ in range(warmup):
+        core.step()
+    sync(core.device)
+    before = len(core.requests[rid].output_token_ids)
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(core.device)
+    dt = time.perf_counter() - t
+    tokens = len(core.requests[rid].output_token_ids) - before
+    core.abort_request(rid)
+    return dt / tokens
 
 
 def write_report(path: str | None, report: dict) -> None:

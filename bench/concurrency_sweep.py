@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 import uuid
@@ -123,26 +124,27 @@ def measured_summary(before: dict, after: dict) -> dict:
     """The steps the policy timed during the point, by padded size and kind:
     how many and their plain mean (beside ``policy_step_ms``, its moving
     means, and ``cycles``, what every cycle cost)."""
-    out = {}
-    for key, (n, secs) in after.items():
-        n0, secs0 = before.get(key, (0, 0.0))
-        if n > n0:
-            out[key] = {"n": n - n0, "mean_ms": round(1000 * (secs - secs0) / (n - n0), 3)}
-    return out
+    return {key: {"n": n, "mean_ms": round(1000 * secs / n, 3)} for key, n, (secs,) in _since(before, after)}
 
 
 def cycle_summary(before: dict, after: dict) -> dict:
     """The point's async cycles by the step they applied (padded size,
     ``s``peculative / ``a``utoregressive, ``+join``: requests joined in it):
     how many, their mean wall and GPU ms, tokens a cycle."""
-    out = {}
-    for key, (n, wall, gpu, tokens) in sorted(after.items(), key=lambda kv: (int(kv[0].split("a")[0].split("s")[0]), kv[0])):
-        n0, wall0, gpu0, tokens0 = before.get(key, (0, 0.0, 0.0, 0))
-        if n > n0:
-            k = n - n0
-            out[key] = {"n": k, "wall_ms": round(1000 * (wall - wall0) / k, 3),
-                        "gpu_ms": round(1000 * (gpu - gpu0) / k, 3), "tokens": round((tokens - tokens0) / k, 2)}
-    return out
+    return {key: {"n": n, "wall_ms": round(1000 * wall / n, 3), "gpu_ms": round(1000 * gpu / n, 3),
+                  "tokens": round(tokens / n, 2)}
+            for key, n, (wall, gpu, tokens) in _since(before, after)}
+
+
+def _since(before: dict, after: dict):
+    """Of counters ``key -> [count, *sums]`` keyed by padded size first
+    ("16a", "64s+join"): (key, count, sums) of what came since ``before``,
+    by padded size."""
+    for key in sorted(after, key=lambda k: (int(re.match(r"\d+", k).group()), k)):
+        count, *sums = after[key]
+        count0, *sums0 = before.get(key) or [0] * len(after[key])
+        if count > count0:
+            yield key, count - count0, [a - b for a, b in zip(sums, sums0)]
 
 
 def workload(args, tokenizer, vocab: int) -> dict[int, list]:

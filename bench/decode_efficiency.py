@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_target_args, copy_bandwidth, resolve_target
+from common import add_target_args, ar_decode_s, copy_bandwidth, resolve_target, sync
 
-from specray import LLM, SamplingParams
+from specray import LLM
 from specray.actors.graphs import DecodeGraphs
 
 
@@ -41,20 +42,8 @@ def checkpoint_bytes(path: str, itemsize: int) -> int:
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
             for k in st.keys():
-                n += _numel(st.get_slice(k).get_shape())
+                n += math.prod(st.get_slice(k).get_shape())
     return n * itemsize
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> float:
@@ -88,25 +77,6 @@ def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> f
     return start.elapsed_time(end) / 1000 / replays
 
 
-def engine_step_s(llm: LLM, steps: int) -> float:
-    """Wall seconds per token of the engine's autoregressive decode at batch 1."""
-    core = llm.engine
-    rid = core.add_request(list(range(100, 164)), SamplingParams(temperature=0, max_tokens=steps + 64,
-                                                                 ignore_eos=True))
-    for _ in range(16):  # prefill, graph captures, the chain under way
-        core.step()
-    sync(core.device)
-    before = sum(len(r.output_token_ids) for r in core.requests.values())
-    t = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    sync(core.device)
-    dt = time.perf_counter() - t
-    tokens = sum(len(r.output_token_ids) for r in core.requests.values()) - before
-    core.abort_request(rid)
-    return dt / tokens
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
@@ -133,7 +103,7 @@ def main(argv=None) -> dict:
     kv_block = core.config.kv_block_size
     ar_s = forward_s(worker, 1, args.context, kv_block, args.replays)
     verify_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
-    step_s = engine_step_s(llm, args.steps)
+    step_s = ar_decode_s(llm, args.steps)
     report = {
         "target": target, "device": str(dev), "dtype": args.dtype, "context": args.context,
         "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),

@@ -13,31 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_target_args, copy_bandwidth, resolve_target
+from common import add_target_args, ar_decode_s, copy_bandwidth, resolve_target
 
-from specray import LLM, SamplingParams
+from specray import LLM
 from specray.kernels import ops
-
-
-def decode_step_s(llm: LLM, steps: int) -> float:
-    core = llm.engine
-    rid = core.add_request(list(range(100, 164)), SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
-    for _ in range(8):  # prefill + graph capture
-        core.step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / steps
-    core.abort_request(rid)
-    return dt
 
 
 def main(argv=None):
@@ -55,7 +39,7 @@ def main(argv=None):
         try:
             llm = LLM(target, None, device="cuda", cuda_graphs=True, max_model_len=1024, max_num_seqs=4,
                       gpu_memory_utilization=0.5)
-            step = decode_step_s(llm, args.steps)
+            step = ar_decode_s(llm, args.steps, warmup=8)
             weights = llm.engine.target.weight_bytes
         finally:
             ops._fused = fused
