@@ -24,11 +24,11 @@ def models(tmp_path_factory):
 
 def engine(root, drafter: bool, async_: bool = False, **kw):
     # Fixed chains unless a test asks for the adaptive policy: every step's draw is checked.
-    settings = dict(ORACLE_ENGINE_SETTINGS, adaptive_speculation=False) if drafter else {}
-    settings |= {k: kw.pop(k) for k in ("adaptive_speculation",) if k in kw}
+    if drafter:
+        kw = dict(ORACLE_ENGINE_SETTINGS, adaptive_speculation=False) | kw
     return build_engine(EngineConfig(
         target=str(root / "t"), drafter=str(root / "d") if drafter else None, kv_block_size=4, num_kv_blocks=400,
-        max_model_len=128, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_, **settings, **kw))
+        max_model_len=128, max_num_seqs=8, cuda_graphs=True, async_scheduling=async_, **kw))
 
 
 def prompts(n=6, seed=5):
