@@ -54,7 +54,7 @@ from specray.sampling import verify
 
 def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greedy",
                       shared: dict[str, torch.Tensor] | None = None, tree: TreeUniverse | None = None,
-                      remote=None, tp=None, speculate: bool = True) -> DecodeGraphs:
+                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (rank 0's
     TargetWorker) and ``drafter`` (a DrafterWorker in this process, or None:
     autoregressive, or the drafter is ``remote``). Inputs: ``start`` and
@@ -90,13 +90,18 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
 
     ``speculate=False`` (a local drafter): an autoregressive step of a
     speculative engine (spec_policy.py): one row a request, no proposal, and
-    the row's context stored, so the next speculative step finds it."""
+    the row's context stored, so the next speculative step finds it.
+    ``block_size`` (a local drafter, no tree): a shorter chain than
+    ``cfg``'s, the drafter's block of that many rows."""
     dev = target.device
     local = drafter is not None
     speculative = local or remote is not None
     if not speculate:
         assert remote is None, "autoregressive steps of a separate drafter are not built"
         cfg = dataclasses.replace(cfg, block_size=1)
+    elif block_size is not None:
+        assert remote is None and tp is None and tree is None, "shorter chains are rank 0's own graphs, chains only"
+        cfg = dataclasses.replace(cfg, block_size=block_size)
     B = cfg.block_size
     oracle = getattr(drafter, "oracle", None) if local and speculate else None  # oracle.py
     if oracle is not None:

@@ -51,9 +51,10 @@ class InflightStep:
     lane: int = 0  # the micro-batch it belongs to (its graphs, state and stream)
     timing: tuple | float | None = None  # CUDA events around the replay, or its host seconds off CUDA
     spec: bool = True  # verified the drafter's blocks (else an autoregressive step: spec_policy.py)
+    drafts: int = 0  # drafts a row verified at most (a shorter chain than the drafter's block: fewer)
     padded: int = 0  # the batch size its graph ran at
     mode: str = "greedy"
-    tokens_per_row: float | None = None  # a speculative step's, once applied
+    accepted: list[tuple[int, int]] | None = None  # a speculative step's, once applied: per live row (accepted, verified)
     captured: bool = False  # its launch captured its graph (its wait may include the drafter's capture)
 
     def gpu_seconds(self) -> float:
@@ -74,7 +75,7 @@ class InflightStep:
 
 
 def launch_decode(core, requests: list[Request], chained: bool,
-                  first_tokens: torch.Tensor | None = None, lane: int = 0, spec: bool = True,
+                  first_tokens: torch.Tensor | None = None, lane: int = 0, drafts: int | None = None,
                   joined: tuple[int, ...] = ()) -> InflightStep:
     """Enqueue one step graph replay (actors/step_graph.py) for
     ``requests``: a first step loads each row's start and last token from
@@ -84,18 +85,23 @@ def launch_decode(core, requests: list[Request], chained: bool,
     each row's block (``start + B``, or its cut-short end: the rows past
     that end write K/V nothing reads, into the row's last block or the
     reserved block 0). ``lane``: the micro-batch, whose graphs replay on
-    its own CUDA stream (``EngineCore.lane_stream``). ``spec=False``: an
-    autoregressive step (one row a request; the drafter stores its context).
+    its own CUDA stream (``EngineCore.lane_stream``). ``drafts``: how many
+    drafts a row verifies (``EngineCore.speculate``; None: the drafter's
+    whole block); 0 is an autoregressive step (one row a request; the
+    drafter stores its context), fewer than the block a shorter chain.
     ``joined``: the rows of a chained step whose requests join the chain
     here, their first tokens ``first_tokens`` on the device (chain_admit.py)."""
     with core.lane_stream(lane):
-        return _launch(core, requests, chained, first_tokens, lane, spec, joined)
+        return _launch(core, requests, chained, first_tokens, lane, drafts, joined)
 
 
-def _launch(core, requests, chained, first_tokens, lane, spec, joined=()) -> InflightStep:
+def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> InflightStep:
     mode = batch_mode(requests, core.target_spec.vocab_size)
-    new_kind = not core.has_step_graphs(mode, lane, spec)
-    graphs = core.step_graphs(mode, lane, spec)
+    full = core.block_size - 1
+    drafts = full if drafts is None else drafts
+    spec, block = drafts > 0 or full == 0, (drafts + 1 if 0 < drafts < full else None)
+    new_kind = not core.has_step_graphs(mode, lane, spec, block)
+    graphs = core.step_graphs(mode, lane, spec, block)
     dev = core.device
     inputs, uploads = {}, None
     if not chained:
@@ -117,7 +123,7 @@ def _launch(core, requests, chained, first_tokens, lane, spec, joined=()) -> Inf
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
         inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
         uploads = None
-    core.announce_step(len(requests), mode, chained, inputs, spec, lane)
+    core.announce_step(len(requests), mode, chained, inputs, spec, lane)  # (shorter chains: no peers)
     inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}
     if uploads is not None:
         write_history(graphs, inputs, uploads, first_tokens)
@@ -141,12 +147,12 @@ def _launch(core, requests, chained, first_tokens, lane, spec, joined=()) -> Inf
         results, ready = core.result_buffers.fetch(out)
     else:
         results, ready = out.clone(), None
-    return InflightStep(list(requests), results, ready, lane, timing, spec, graphs.padded(len(requests)), mode,
-                        captured=fresh)
+    return InflightStep(list(requests), results, ready, lane, timing, spec, drafts, graphs.padded(len(requests)),
+                        mode, captured=fresh)
 
 
-def _graphs_key(sampling: str, lane: int, spec: bool) -> tuple:
-    return (sampling, lane) if spec else (sampling, lane, "ar")
+def _graphs_key(sampling: str, lane: int, spec: bool, block: int | None = None) -> tuple:
+    return (sampling, lane, "ar") if not spec else (sampling, lane, block) if block else (sampling, lane)
 
 
 class AsyncSteps:
@@ -184,14 +190,15 @@ class AsyncSteps:
         return not (self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and
                     not all(r.params.greedy for r in requests))
 
-    def step_graphs(self, sampling: str, lane: int = 0, spec: bool = True):
+    def step_graphs(self, sampling: str, lane: int = 0, spec: bool = True, block: int | None = None):
         """Rank 0's whole-step graphs, for batches whose ``sampling`` is
         "greedy", "sampled" or "filtered" (a drafter or TP followers in other
         processes replay their halves: actors/step_peers.py), of micro-batch
         ``lane``: each lane has its state, its graphs and their memory; the
         token history is one (its rows are the requests'). ``spec=False``:
-        the autoregressive steps of a speculative engine."""
-        key = _graphs_key(sampling, lane, spec)
+        the autoregressive steps of a speculative engine; ``block``: a
+        shorter chain's rows a request (``shorter_drafts``)."""
+        key = _graphs_key(sampling, lane, spec, block)
         if key not in self._step_graphs:
             from specray.actors.step_graph import build_step_graphs
             from specray.actors.step_parts import StepSettings
@@ -207,14 +214,14 @@ class AsyncSteps:
                 target, local, settings, sampling=sampling, shared=shared,
                 tree=self.tree,
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
-                speculate=spec,
+                speculate=spec, block_size=block,
             )
             if self.config.capture_all_batch_sizes and not self._peers():
                 self._step_graphs[key].capture_all()
         return self._step_graphs[key]
 
-    def has_step_graphs(self, sampling: str, lane: int = 0, spec: bool = True) -> bool:
-        return _graphs_key(sampling, lane, spec) in self._step_graphs
+    def has_step_graphs(self, sampling: str, lane: int = 0, spec: bool = True, block: int | None = None) -> bool:
+        return _graphs_key(sampling, lane, spec, block) in self._step_graphs
 
     # ------------------------------------------------- micro-batch lanes
     def _overlap_unsupported(self) -> str | None:
@@ -259,13 +266,15 @@ class AsyncSteps:
         if len(parts) > 1 and self.device.type == "cuda":
             self.lane_stream(1)  # created on first use
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        spec = self.speculate(parts[0])
-        return [launch_decode(self, part, chained=False, lane=i, spec=spec) for i, part in enumerate(parts)]
+        drafts = self.speculate(parts[0])
+        return [launch_decode(self, part, chained=False, lane=i, drafts=drafts) for i, part in enumerate(parts)]
 
-    def speculate(self, requests: list[Request]) -> bool:
-        """Whether the next step of these rows verifies drafts (spec_policy.py)."""
+    def speculate(self, requests: list[Request]) -> int | None:
+        """How many drafts each row of the next step of these rows verifies
+        (spec_policy.py): 0 (an autoregressive step), a shorter chain's, or
+        None (the drafter's whole block)."""
         if self.policy is None:
-            return True
+            return None
         from specray.actors.graphs import padded_size
 
         padded = padded_size(len(requests), self.config.max_num_seqs)
@@ -291,14 +300,12 @@ class AsyncSteps:
             self._observed_kind = None
             return
         p, launched = steps[0], self._inflight[0]  # what the cycle applied, what it launched
-        kind, last = (p.padded, p.spec, p.mode), self._observed_kind
+        kind, last = (p.padded, p.drafts, p.mode), self._observed_kind
         self._observed_kind = kind
-        counted = [q for q in steps if q.tokens_per_row is not None]
-        rows = sum(len(q.requests) for q in counted)
-        tokens = sum(q.tokens_per_row * len(q.requests) for q in counted) / rows if rows else None
-        steady = kind == last == (launched.padded, launched.spec, launched.mode)
+        rows = [row for q in steps for row in q.accepted or ()]
+        steady = kind == last == (launched.padded, launched.drafts, launched.mode)
         seconds = max(sum(q.gpu_seconds() for q in steps), now - start) if steady else 0.0
-        self.policy.observe(p.padded, p.spec, seconds, p.mode, tokens, rows)
+        self.policy.observe(p.padded, p.drafts, seconds, p.mode, rows)
 
     def _adaptive_unsupported(self) -> str | None:
         if self.drafter is None:
@@ -310,6 +317,20 @@ class AsyncSteps:
         if not getattr(self.drafter, "local_model", False):
             return "needs the drafter in rank 0's process (its autoregressive steps store the drafter's context)"
         return None
+
+    def _shorter_drafts(self) -> tuple[int, ...]:
+        """Draft counts of the shorter chains the policy may verify: the
+        block halved while it keeps ``shortest_verify_block`` rows. Chains
+        only (a draft tree is shaped for the whole block), and rank 0's own
+        graphs (a drafter or TP followers in other processes would need
+        their halves at each length: not built)."""
+        if self.tree is not None or self._peers():
+            return ()
+        out, rows = [], self.block_size // 2
+        while rows >= max(2, self.config.shortest_verify_block):
+            out.append(rows - 1)
+            rows //= 2
+        return tuple(out)
 
     def _join_lanes(self) -> None:
         """What the side lane wrote (K/V, context) comes before anything the
@@ -422,15 +443,14 @@ class AsyncSteps:
         are dropped."""
         outputs = []
         rows = step.read()
+        # The block the graph verified, cut as the scheduler cuts it from
+        # the host's view when the step was launched (it is now).
+        verified = [min(self.scheduler.block_len(r) - 1, step.drafts) for r in step.requests]
         if step.spec and self.drafter is not None:
-            live = [row[0] + 1 for r, row in zip(step.requests, rows) if not r.finished]
-            step.tokens_per_row = sum(live) / len(live) if live else None
-        for r, (a, bonus, looked_up, drafts) in zip(step.requests, rows):
+            step.accepted = [(row[0], g) for r, row, g in zip(step.requests, rows, verified) if not r.finished]
+        for r, (a, bonus, looked_up, drafts), num_drafts in zip(step.requests, rows, verified):
             if r.finished:
                 continue
-            # The block the graph verified, cut as the scheduler cuts it from
-            # the host's view when the step was launched (it is now).
-            num_drafts = self.scheduler.block_len(r) - 1 if step.spec else 0
             r.metrics.num_lookup_steps += looked_up
             try:
                 # Chained, the room _can_chain reserves (two blocks ahead) stays:

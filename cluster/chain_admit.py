@@ -112,7 +112,7 @@ def join_chain(core, rows: list[Request], count: int, t0: float) -> list[Request
             joined_rows[k:k + 1] = [p.request]
             places.append(k)
         return async_decode.launch_decode(core, joined_rows, chained=True, first_tokens=first_tokens,
-                                          spec=core.speculate(joined_rows), joined=tuple(places))
+                                          drafts=core.speculate(joined_rows), joined=tuple(places))
 
     core.num_chain_joins += len(items)
     return core._sync_step(plan, t0, launch)

@@ -421,6 +421,12 @@ class EngineConfig:
     # step times and acceptance say emits more tokens per second. None: on
     # where async steps run with the drafter in rank 0's process.
     adaptive_speculation: bool | None = None
+    # The adaptive policy may also verify shorter chains: the drafter's
+    # block halved while it keeps this many rows (16 -> 8, 4). Under load a
+    # verify of B rows a request is compute-bound where a shorter one
+    # emits nearly as much (the later drafts are the ones rejected). The
+    # block size turns them off. Chains only, rank 0's own graphs.
+    shortest_verify_block: int = 4
     # A drafter in another process that does not answer a message within
     # this many seconds is taken for lost: steps go on without it and a new
     # one is started (faults.py).
@@ -451,7 +457,7 @@ class EngineConfig:
             if getattr(self, name) is not None and getattr(self, name) < 2:  # block 0 is reserved
                 raise ConfigError(f"{name} must be at least 2 (or unset), got {getattr(self, name)}")
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k", "overlap_min_batch",
-                     "join_batch"):
+                     "join_batch", "shortest_verify_block"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lone_prefills", "join_wait_steps"):

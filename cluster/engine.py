@@ -41,7 +41,7 @@ from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device
 from specray.step_buffers import HistorySlots, ResultBuffers
 from specray.scheduler import Scheduler
-from specray.spec_policy import SpecPolicy
+from specray.spec_policy import SpecPolicy, step_key
 from specray.step_wait import result_wait
 from specray.step_batch import StepBatches
 from specray.step_rows import VerifyRows
@@ -128,14 +128,15 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.async_wall_s = self.async_gpu_s = 0.0
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
         self.tree = self._tree_universe()
-        self.policy = SpecPolicy(self.block_size) if self._adaptive_unsupported() is None else None
+        self.policy = SpecPolicy(self.block_size, self._shorter_drafts()) \
+            if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
         self._join_waited = 0  # steps those requests have waited to join together (join_batch)
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self.cycle_costs: dict[str, list] = {}  # _count_cycle
-        self._observed_kind: tuple | None = None  # (padded, speculative, mode) of the step the policy saw last
+        self._observed_kind: tuple | None = None  # (padded, drafts, mode) of the step the policy saw last
 
     # ----------------------------------------------------------- admission
     def add_request(
@@ -187,9 +188,9 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             joined_outputs = join_chain(self, everyone, self._join_next, t0)
             self._observed_kind = None  # the cycle carries a prefill: the policy does not time it
         if joined_outputs is None:
-            spec = chained and self.speculate(everyone)
-            self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, spec=spec) for p in prev] \
-                if chained else []
+            drafts = self.speculate(everyone) if chained else None
+            self._inflight = [launch_decode(self, p.requests, chained=True, lane=p.lane, drafts=drafts)
+                              for p in prev] if chained else []
         if not chained:
             self._join_lanes()
         for p in prev:  # a bounded wait (NCCL) reads every lane before any is applied: a lost drafter drops all
@@ -218,7 +219,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         wall and GPU seconds, tokens emitted (where a speculative engine's
         time goes, beside the policy's own view: bench/concurrency_sweep.py)."""
         p = applied[0]
-        key = f"{p.padded}{'s' if p.spec and self.drafter is not None else 'a'}{'+join' if joined else ''}"
+        key = step_key(p.padded, p.drafts if self.drafter is not None else 0, self.block_size - 1)
+        key += "+join" if joined else ""
         c = self.cycle_costs.setdefault(key, [0, 0.0, 0.0, 0])
         c[0] += 1
         c[1] += self.last_step.total

@@ -1,35 +1,42 @@
-"""Load-adaptive speculation: each asynchronous step either verifies the
-drafter's block (B rows a request) or is a plain autoregressive step (one
-row; the drafter only stores the row's context, so speculation can resume),
-whichever emits more tokens per second at this batch size.
+"""Load-adaptive speculation: each asynchronous step verifies the drafter's
+block (B rows a request), a shorter chain of its first drafts (B/2, B/4
+rows: ``EngineConfig.shortest_verify_block``), or is a plain
+autoregressive step (one row; the drafter only stores the row's context,
+so speculation can resume), whichever emits more tokens per second at
+this batch size.
 
-Speculating pays where ``E[tokens a row emits per step] / T_spec(n)`` beats
+Speculating pays where ``E[tokens a row emits per step] / T(n)`` beats
 ``1 / T_ar(n)``: at batch 1 a step costs about the same either way and the
 block emits ~3 tokens; at large batches a B-row verify reads the same
 weights but computes B times the rows, and a sampled row accepts little.
-Both sides are measured, not assumed:
+A shorter chain gives up the block's last drafts, the ones least often
+accepted, and where the verify is compute-bound (a large target under
+load) costs about its share of rows. Both sides are measured, not assumed:
 
-* ``T_spec(n)``, ``T_ar(n)``: what a step of each kind costs at each padded
-  batch size: the longer of its replay's device time (CUDA events; off CUDA
+* ``T(n)`` of each kind: what a step of it costs at each padded batch
+  size: the longer of its replay's device time (CUDA events; off CUDA
   the host's) and the wall time of the engine cycle that applied it
   (``EngineCore._observe_cycle``: with a small model the host, whose work
   grows with the tokens a step emits, is the limit: on the H200 the
   embedded pair served at c=16 ran 0.73x of autoregressive when only device
   time was weighed), an exponentially weighted mean, each measured on
   first use by running that kind of step;
-* the tokens a speculative step emits per row, an exponentially weighted
-  mean over the engine's recent speculative rows, kept apart for greedy
-  and sampled batches (their acceptance differs by half). While steps are
-  autoregressive a speculative probe every ``PROBE_EVERY`` steps keeps it
-  current, and while they speculate an autoregressive one every
-  ``AR_PROBE_EVERY`` steps keeps that cost current, both the rarer the
-  further the estimate is from break-even (``probe_every``). A probe is
-  ``PROBE_STEPS`` steps in a row, and the engine measures no step whose
-  kind or batch size differs from the step applied before it or the step
-  launched beside it: such a cycle carries the other kind's host work and
-  its wait for the GPU (on the H200 at c=64 single-step probes read an
-  autoregressive step at 2.98 ms where a chain of them ran at 1.49, and
-  the policy kept speculating at 0.39x of the AR engine).
+* the tokens a row emits when it verifies ``d`` drafts: ``1 + sum(S_j, j <=
+  d)``, where ``S_j``, the chance that a row accepts at least ``j`` drafts,
+  is an exponentially weighted mean over the engine's recent speculative
+  rows that verified a ``j``-th draft (a shorter chain's rows still count
+  for the positions they verified), kept apart for greedy and sampled
+  batches (their acceptance differs by half). The losing kinds are
+  probed now and then: a kind with more drafts than the winner's every
+  ``PROBE_EVERY`` steps, one with fewer (autoregressive steps) every
+  ``AR_PROBE_EVERY``, both the rarer the further the estimate is from the
+  winner's (``probe_every``). A probe is ``PROBE_STEPS`` steps in a row,
+  and the engine measures no step whose kind or batch size differs from
+  the step applied before it or the step launched beside it: such a cycle
+  carries the other kind's host work and its wait for the GPU (on the H200
+  at c=64 single-step probes read an autoregressive step at 2.98 ms where
+  a chain of them ran at 1.49, and the policy kept speculating at 0.39x of
+  the AR engine).
 
 Exactness does not depend on the choice: every step, of either kind, emits
 the target's tokens (greedy) or its distribution (sampled).
@@ -40,14 +47,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ALPHA = 0.2  # weight of a new step-time measurement in its moving mean
-# Weight of one row's emitted tokens in their moving mean (a step of n rows
-# weighs 1 - (1 - ROW_ALPHA)**n): a sampled row emits 1 token or many, so
+# Weight of one row in a position's acceptance mean (a step whose n rows
+# verified the position weighs 1 - (1 - ROW_ALPHA)**n): a sampled row emits 1 token or many, so
 # at batch 1 a mean over single steps swung across the break-even point
 # and the policy fell back to autoregressive steps for 16 at a time.
 ROW_ALPHA = 0.02
-PROBE_EVERY = 16  # autoregressive steps between two speculative probes
-# Speculative steps between two autoregressive probes: rarer, since at
-# batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
+PROBE_EVERY = 16  # steps between two probes of a kind with more drafts than the winner's
+# Steps between two probes of a kind with fewer drafts (autoregressive
+# steps): rarer, since at batch 1 an autoregressive step gives up ~2/3 of
+# a step's tokens.
 AR_PROBE_EVERY = 64
 # A probe's steps in a row: its first follows the other kind and its last
 # launches it, so only the steps between are measured (on the H100 at c=8
@@ -65,53 +73,73 @@ MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
 @dataclass
 class SpecPolicy:
     block_size: int
-    cost: dict[tuple[int, bool], float] = field(default_factory=dict)  # (padded batch, speculative) -> seconds
-    emitted: dict[str, float] = field(default_factory=dict)  # sampling kind -> tokens a row emits per spec step
-    since_probe: int = 0  # autoregressive steps since the last speculative one
-    since_ar: int = 0  # speculative steps since the last autoregressive one
-    choices: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    # Draft counts a step may verify besides the drafter's whole block
+    # (``block_size - 1``) and none (an autoregressive step): shorter chains.
+    shorter: tuple[int, ...] = ()
+    cost: dict[tuple[int, int], float] = field(default_factory=dict)  # (padded batch, drafts) -> seconds
+    # sampling kind -> P(a row accepts at least j drafts), j = 1 .. block_size - 1
+    survival: dict[str, list[float | None]] = field(default_factory=dict)
+    since: dict[int, int] = field(default_factory=dict)  # drafts -> steps since a step verified that many
+    choices: dict[int, int] = field(default_factory=dict)  # drafts -> steps that verified that many
     held: int = 0  # steps a probe still holds its kind for
+    holding: int = 0  # the probe's draft count
     # The timed steps behind ``cost``: count and seconds, unweighted (what
     # the moving means were made of: bench/concurrency_sweep.py reports it
     # beside the cycles' own costs).
-    measured: dict[tuple[int, bool], list] = field(default_factory=dict)
+    measured: dict[tuple[int, int], list] = field(default_factory=dict)
 
-    def choose(self, n_padded: int, kind: str) -> bool:
-        """Whether the next step of a batch padded to ``n_padded`` rows of
-        sampling ``kind`` ("greedy" or else) speculates."""
+    @property
+    def options(self) -> tuple[int, ...]:
+        """Draft counts a step may verify, the whole block first."""
+        full = self.block_size - 1
+        return (full, *sorted({d for d in self.shorter if 0 < d < full}, reverse=True), 0)
+
+    def choose(self, n_padded: int, kind: str) -> int:
+        """How many drafts each row of the next step of a batch padded to
+        ``n_padded`` rows of sampling ``kind`` ("greedy" or else) verifies
+        (0: an autoregressive step)."""
         if self.held:
             self.held -= 1
-            spec = self.since_probe == 0  # the probe's kind, as its first step chose it
+            drafts = self.holding
         else:
-            spec, probe = self._choose(n_padded, kind)
-            self.held = PROBE_STEPS - 1 if probe else 0
-        self.since_probe = 0 if spec else self.since_probe + 1
-        self.since_ar = self.since_ar + 1 if spec else 0
-        self.choices[spec] += 1
-        return spec
+            drafts, probe = self._choose(n_padded, kind)
+            self.held, self.holding = (PROBE_STEPS - 1 if probe else 0), drafts
+        for d in self.options:
+            self.since[d] = 0 if d == drafts else self.since.get(d, 0) + 1
+        self.choices[drafts] = self.choices.get(drafts, 0) + 1
+        return drafts
 
-    def _choose(self, n: int, kind: str) -> tuple[bool, bool]:
-        """(speculate, whether it is a probe)."""
-        t_spec, t_ar = self.cost.get((n, True)), self.cost.get((n, False))
-        if t_spec is None:
-            return True, False
-        if t_ar is None:
-            return False, False
-        tokens = self.emitted.get(_kind(kind), 1.0 + 0.5 * (self.block_size - 1))
-        advantage = tokens * t_ar / t_spec  # speculation's tokens a second over autoregressive's
-        spec = advantage > MARGIN
-        if not spec and self.since_probe >= probe_every(PROBE_EVERY, 1 / advantage):
-            return True, True
-        if spec and self.since_ar >= probe_every(AR_PROBE_EVERY, advantage):
-            return False, True  # keeps the autoregressive cost current (the batch's load changes it)
-        return spec, False
+    def tokens(self, kind: str, drafts: int) -> float:
+        """Tokens a row is expected to emit in a step verifying ``drafts``
+        drafts: the bonus and each draft it accepts."""
+        s = self.survival.get(_kind(kind), ())
+        # a position not seen yet (a speculative step's first rows set it): half
+        return 1.0 + sum(0.5 if x is None else x for x in (list(s) + [None] * drafts)[:drafts])
 
-    def observe(self, n_padded: int, spec: bool, seconds: float, kind: str, tokens_per_row: float | None,
-                rows: int = 1) -> None:
-        """A finished step: its time, and (speculative) the tokens its
-        ``rows`` rows emitted on average."""
+    def _choose(self, n: int, kind: str) -> tuple[int, bool]:
+        """(drafts, whether it is a probe)."""
+        for d in self.options:  # each kind is measured on first use, the whole block first
+            if (n, d) not in self.cost:
+                return d, False
+        rate = {d: self.tokens(kind, d) / self.cost[(n, d)] for d in self.options}
+        # speculate only where it beats autoregressive steps by MARGIN
+        best = max((d for d in self.options if d == 0 or rate[d] > MARGIN * rate[0]), key=rate.get)
+        # The losing kinds are probed now and then (the batch's load changes
+        # their costs), the rarer the more they lose; steps with more drafts
+        # than the winner's more often than those with fewer, since at
+        # batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
+        due = [d for d in self.options if d != best and
+               self.since.get(d, 0) >= probe_every(PROBE_EVERY if d > best else AR_PROBE_EVERY, rate[best] / rate[d])]
+        if due:
+            return max(due, key=rate.get), True
+        return best, False
+
+    def observe(self, n_padded: int, drafts: int, seconds: float, kind: str,
+                rows: list[tuple[int, int]] | None = None) -> None:
+        """A finished step that verified ``drafts`` drafts a row: its time,
+        and (speculative) its rows' (drafts accepted, drafts verified)."""
         if seconds > 0:
-            key = (n_padded, spec)
+            key = (n_padded, drafts)
             m = self.measured.setdefault(key, [0, 0.0])
             m[0], m[1] = m[0] + 1, m[1] + seconds
             old = self.cost.get(key)
@@ -122,17 +150,33 @@ class SpecPolicy:
             # corrects itself, since that kind runs and is measured.
             fresh = old is None or seconds < old / 2
             self.cost[key] = seconds if fresh else (1 - ALPHA) * old + ALPHA * seconds
-        if spec and tokens_per_row is not None:
-            k = _kind(kind)
-            old = self.emitted.get(k)
-            w = 1 - (1 - ROW_ALPHA) ** max(rows, 1)
-            self.emitted[k] = tokens_per_row if old is None else (1 - w) * old + w * tokens_per_row
+        if drafts and rows:
+            self._observe_acceptance(_kind(kind), rows)
+
+    def _observe_acceptance(self, kind: str, rows: list[tuple[int, int]]) -> None:
+        """Each position's survival moves by its rows (a row whose block
+        was cut short, or shorter, tells nothing of the positions past it):
+        a row accepting ``a`` of ``g`` drafts accepted at least ``j`` for
+        every ``j <= a`` and not for ``a < j <= g``. A position's first
+        rows set it (None: not seen yet)."""
+        s = self.survival.setdefault(kind, [None] * (self.block_size - 1))
+        for j in range(1, len(s) + 1):
+            seen = [a >= j for a, g in rows if g >= j]
+            if not seen:
+                break  # a row verifies its drafts from the first: none saw a later one
+            mean = sum(seen) / len(seen)
+            w = 1.0 if s[j - 1] is None else 1 - (1 - ROW_ALPHA) ** len(seen)
+            s[j - 1] = mean if w == 1.0 else (1 - w) * s[j - 1] + w * mean
 
     def snapshot(self) -> dict:
-        return {"speculative_steps": self.choices[True], "autoregressive_steps": self.choices[False],
-                "tokens_per_speculative_row": dict(self.emitted),
-                "step_ms": {_key(n, s): round(1000 * t, 4) for (n, s), t in sorted(self.cost.items())},
-                "measured": {_key(n, s): list(m) for (n, s), m in sorted(self.measured.items())}}
+        full = self.block_size - 1
+        return {"speculative_steps": sum(c for d, c in self.choices.items() if d),
+                "autoregressive_steps": self.choices.get(0, 0),
+                "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
+                "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k in self.survival},
+                "survival": {k: [None if x is None else round(x, 4) for x in s] for k, s in self.survival.items()},
+                "step_ms": {step_key(n, d, full): round(1000 * t, 4) for (n, d), t in sorted(self.cost.items())},
+                "measured": {step_key(n, d, full): list(m) for (n, d), m in sorted(self.measured.items())}}
 
 
 def probe_every(base: int, advantage: float) -> int:
@@ -141,8 +185,9 @@ def probe_every(base: int, advantage: float) -> int:
     return int(min(MAX_PROBE_EVERY, base * max(1.0, advantage) ** 2))
 
 
-def _key(n: int, spec: bool) -> str:
-    return f"{n}{'s' if spec else 'a'}"
+def step_key(n: int, drafts: int, full: int) -> str:
+    """``8s`` (the whole block), ``8s3`` (3 drafts), ``8a`` (autoregressive)."""
+    return f"{n}a" if drafts == 0 else f"{n}s" if drafts == full else f"{n}s{drafts}"
 
 
 def _kind(kind: str) -> str:

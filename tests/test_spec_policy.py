@@ -13,6 +13,12 @@ from specray import LLM, SamplingParams
 from specray.async_decode import AsyncSteps, InflightStep
 from specray.spec_policy import AR_PROBE_EVERY, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, SpecPolicy, probe_every
 
+def rows_of(tokens: float, n: int = 50) -> list[tuple[int, int]]:
+    """``n`` rows (drafts accepted, 15 verified) that emit ``tokens`` a row on average."""
+    total = round(n * (tokens - 1))
+    return [(total // n + (i < total % n), 15) for i in range(n)]
+
+
 PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]
 MAX_TOKENS = [30, 24, 17, 33, 20]
 
@@ -20,44 +26,44 @@ MAX_TOKENS = [30, 24, 17, 33, 20]
 def test_policy_measures_both_kinds_then_picks_the_faster():
     p = SpecPolicy(block_size=16)
     assert p.choose(8, "greedy")  # speculative cost unknown: measure it
-    p.observe(8, True, 0.004, "greedy", 1.5)
+    p.observe(8, 15, 0.004, "greedy", rows_of(1.5))
     assert not p.choose(8, "greedy")  # autoregressive cost unknown
-    p.observe(8, False, 0.002, "greedy", None)
+    p.observe(8, 0, 0.002, "greedy")
     # 1.5 tokens in 4 ms against 1 token in 2 ms: autoregressive
     assert not p.choose(8, "greedy")
     # cheap verify, high acceptance: speculate
-    p.observe(1, True, 0.0011, "greedy", 3.1)
-    p.observe(1, False, 0.001, "greedy", None)
+    p.observe(1, 15, 0.0011, "greedy", rows_of(3.1))
+    p.observe(1, 0, 0.001, "greedy")
     assert p.choose(1, "greedy")
     # acceptance is kept per sampling kind: a sampled batch at batch 1 with
     # low acceptance steps autoregressively
-    p.observe(1, True, 0.0011, "sampled", 1.02)
+    p.observe(1, 15, 0.0011, "sampled", rows_of(1.02))
     assert not p.choose(1, "sampled")
 
 
 def test_one_slow_first_measurement_does_not_keep_speculation_off():
     p = SpecPolicy(block_size=16)
-    p.observe(2, True, 0.0116, "greedy", 2.9)  # the first speculative step ran cold: 11.6 ms
-    p.observe(2, False, 0.00094, "greedy", None)
+    p.observe(2, 15, 0.0116, "greedy", rows_of(2.9))  # the first speculative step ran cold: 11.6 ms
+    p.observe(2, 0, 0.00094, "greedy")
     assert not p.choose(2, "greedy")
-    p.observe(2, True, 0.0016, "greedy", 2.9)  # the next probe finds what such a step costs
-    assert p.cost[(2, True)] == 0.0016
+    p.observe(2, 15, 0.0016, "greedy", rows_of(2.9))  # the next probe finds what such a step costs
+    assert p.cost[(2, 15)] == 0.0016
     assert p.choose(2, "greedy")  # 2.9 tokens in 1.6 ms beat 1 in 0.94 ms
-    p.observe(2, True, 0.0024, "greedy", 2.9)  # ordinary noise is averaged, not taken whole
-    assert p.cost[(2, True)] == pytest.approx(0.8 * 0.0016 + 0.2 * 0.0024)
+    p.observe(2, 15, 0.0024, "greedy", rows_of(2.9))  # ordinary noise is averaged, not taken whole
+    assert p.cost[(2, 15)] == pytest.approx(0.8 * 0.0016 + 0.2 * 0.0024)
     # what the means were made of: every timed step, unweighted
     assert p.snapshot()["measured"] == {"2a": [1, 0.00094], "2s": [3, pytest.approx(0.0116 + 0.0016 + 0.0024)]}
 
 
 def test_policy_probes_autoregressive_steps_while_speculating():
     p = SpecPolicy(block_size=16)
-    p.observe(16, True, 0.0027, "greedy", 2.9)
-    p.observe(16, False, 0.0023, "greedy", None)  # measured cold: an autoregressive step costs less
+    p.observe(16, 15, 0.0027, "greedy", rows_of(2.9))
+    p.observe(16, 0, 0.0023, "greedy")  # measured cold: an autoregressive step costs less
     every = probe_every(AR_PROBE_EVERY, 2.9 * 0.0023 / 0.0027)  # speculation's advantage: 2.47x
     picks = [p.choose(16, "greedy") for _ in range(2 * (every + PROBE_STEPS))]
-    assert picks == ([True] * every + [False] * PROBE_STEPS) * 2  # a probe is steps in a row
+    assert picks == ([15] * every + [0] * PROBE_STEPS) * 2  # a probe is steps in a row
     # the probe finds the cheaper autoregressive step, and the policy follows it
-    p.observe(16, False, 0.0009, "greedy", None)
+    p.observe(16, 0, 0.0009, "greedy")
     assert not p.choose(16, "greedy")
 
 
@@ -74,25 +80,25 @@ def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
         spec = p.choose(1, "sampled")
         picks.append(spec)
         if spec:
-            p.observe(1, True, 0.00143, "sampled", 1 if rng.random() < 0.5 else rng.choice([2, 3, 4]), rows=1)
+            p.observe(1, 15, 0.00143, "sampled", [((1 if rng.random() < 0.5 else rng.choice([2, 3, 4])) - 1, 15)])
         else:
-            p.observe(1, False, 0.00102, "sampled", None)
+            p.observe(1, 0, 0.00102, "sampled")
     # the autoregressive probes: PROBE_STEPS in probe_every(AR_PROBE_EVERY, ~1.4) + PROBE_STEPS
     assert sum(picks[100:]) / len(picks[100:]) > 0.97
 
 
 def test_policy_probes_while_autoregressive():
     p = SpecPolicy(block_size=16)
-    p.observe(4, True, 0.01, "greedy", 1.1)
-    p.observe(4, False, 0.001, "greedy", None)
+    p.observe(4, 15, 0.01, "greedy", rows_of(1.1))
+    p.observe(4, 0, 0.001, "greedy")
     every = probe_every(PROBE_EVERY, 1 / (1.1 * 0.001 / 0.01))  # speculation 9x slower: rare probes
     assert every == MAX_PROBE_EVERY
     picks = [p.choose(4, "greedy") for _ in range(3 * (every + PROBE_STEPS))]
-    assert picks == ([False] * every + [True] * PROBE_STEPS) * 3
+    assert picks == ([0] * every + [15] * PROBE_STEPS) * 3
     # probes that find cheap steps and high acceptance turn speculation on
     for _ in range(20):
-        p.observe(4, True, 0.001, "greedy", 8.0)
-    p.since_probe = 0
+        p.observe(4, 15, 0.001, "greedy", rows_of(8.0))
+    p.since[15] = 0
     assert p.choose(4, "greedy")
 
 
@@ -101,10 +107,10 @@ def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
     assert probe_every(PROBE_EVERY, 2.0) == 4 * PROBE_EVERY
     assert probe_every(AR_PROBE_EVERY, 10.0) == MAX_PROBE_EVERY
     p = SpecPolicy(block_size=16)
-    p.observe(8, True, 0.002, "greedy", 1.9)  # 1.9 tokens in 2 ms against 1 in 1 ms: AR, by 1.05x
-    p.observe(8, False, 0.001, "greedy", None)
+    p.observe(8, 15, 0.002, "greedy", rows_of(1.9))  # 1.9 tokens in 2 ms against 1 in 1 ms: AR, by 1.05x
+    p.observe(8, 0, 0.001, "greedy")
     picks = [p.choose(8, "greedy") for _ in range(PROBE_EVERY + 4)]
-    assert picks.index(True) == probe_every(PROBE_EVERY, 1 / 0.95) == 17
+    assert picks.index(15) == probe_every(PROBE_EVERY, 1 / 0.95) == 17
 
 
 def test_a_step_after_another_kind_is_not_timed():
@@ -118,28 +124,54 @@ def test_a_step_after_another_kind_is_not_timed():
     eng.policy, eng._cycle, eng._observed_kind = SpecPolicy(block_size=16), None, None
 
     def step(spec: bool, **kw):
-        return InflightStep([object()], None, None, spec=spec, padded=8, **kw)
+        return InflightStep([object()], None, None, spec=spec, drafts=15 if spec else 0, padded=8, **kw)
 
     def cycle(spec: bool, wall: float, launched: bool | None = None):
         """A cycle that applied a step of kind ``spec`` and launched one of
         kind ``launched`` (the same unless given)."""
-        eng._cycle = (100.0, [step(spec, timing=wall / 4, tokens_per_row=2.5 if spec else None)])
+        eng._cycle = (100.0, [step(spec, timing=wall / 4, accepted=rows_of(2.5, 2) if spec else None)])
         eng._inflight = [step(spec if launched is None else launched)]
         AsyncSteps._observe_cycle(eng, 100.0 + wall)
 
     cycle(True, 0.004)  # a chain's first step: not timed, its tokens counted
-    assert eng.policy.cost == {} and eng.policy.emitted["greedy"] == 2.5
+    assert eng.policy.cost == {} and eng.policy.tokens("greedy", 15) == 2.5
     cycle(True, 0.004)
-    assert eng.policy.cost == {(8, True): pytest.approx(0.004)}
+    assert eng.policy.cost == {(8, 15): pytest.approx(0.004)}
     cycle(True, 0.002, launched=False)  # its launch was an AR step's, not a speculative one's
-    assert eng.policy.cost == {(8, True): pytest.approx(0.004)}
+    assert eng.policy.cost == {(8, 15): pytest.approx(0.004)}
     cycle(False, 0.009)  # follows a speculative step
-    assert (8, False) not in eng.policy.cost
+    assert (8, 0) not in eng.policy.cost
     cycle(False, 0.0015)
-    assert eng.policy.cost[(8, False)] == pytest.approx(0.0015)
+    assert eng.policy.cost[(8, 0)] == pytest.approx(0.0015)
     cycle(False, 0.0035, launched=True)  # the probe's last step launches the other kind: not timed
     cycle(True, 0.006)  # follows an AR step
-    assert eng.policy.cost == {(8, True): pytest.approx(0.004), (8, False): pytest.approx(0.0015)}
+    assert eng.policy.cost == {(8, 15): pytest.approx(0.004), (8, 0): pytest.approx(0.0015)}
+
+
+def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
+    """Under load a whole block's verify is compute-bound and its later
+    drafts are the rejected ones: a shorter chain emits nearly as many
+    tokens for less. At batch 1 every kind costs about the same and the
+    whole block wins; with acceptance low, autoregressive steps do."""
+    p = SpecPolicy(block_size=16, shorter=(7, 3))
+    assert p.options == (15, 7, 3, 0)
+    # rows accepting 0..15 drafts, P(a >= j) falling 0.1 a position: 1 + 0.9 + ... + 0.1 tokens (tau 5.5)
+    rows = [(a, 15) for a in range(10) for _ in range(10)]
+    for d, ms in ((15, 12.0), (7, 6.5), (3, 4.6), (0, 3.5)):  # batch 32
+        assert p.choose(32, "greedy") == d  # each kind is measured first, the whole block first
+        p.observe(32, d, ms / 1000, "greedy", rows if d else None)
+    assert p.tokens("greedy", 15) == pytest.approx(5.5) and p.tokens("greedy", 7) == pytest.approx(1 + 0.9 + 0.8 + 0.7 + 0.6 + 0.5 + 0.4 + 0.3)
+    assert p.choose(32, "greedy") == 7  # 5.2 tokens in 6.5 ms beat 5.5 in 12 and 3.4 in 4.6
+    for d, ms in ((15, 1.25), (7, 1.22), (3, 1.2), (0, 1.0)):  # batch 1
+        p.observe(1, d, ms / 1000, "greedy")
+    assert p.choose(1, "greedy") == 15
+    p.observe(1, 15, 0.00125, "sampled", [(0, 15)] * 9 + [(1, 15)])  # sampled rows accept little: 1.1 tokens
+    assert p.choose(1, "sampled") == 0
+    # the losing shorter chain is probed too, and a probe holds its kind
+    picks = [p.choose(32, "greedy") for _ in range(300)]
+    assert {15, 3, 0} <= set(picks) and picks.count(7) > 240
+    snap = p.snapshot()
+    assert snap["step_ms"]["32s7"] == 6.5 and snap["step_ms"]["32s"] == 12.0 and snap["step_ms"]["32a"] == 3.5
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +198,33 @@ def test_adaptive_greedy_is_autoregressive(models, lanes):
     assert sum(o.metrics.num_draft_tokens for o in got) < sum(len(o.token_ids) for o in got) * 7
 
 
+@pytest.mark.parametrize("lookups", [0, 2])
+def test_shorter_chains_give_the_autoregressive_tokens(models, lookups, monkeypatch):
+    """Greedy steps taking turns between the whole block, a shorter chain
+    and an autoregressive step (forced) emit the target's tokens."""
+    turns = itertools.cycle([7, 3, 3, 0])
+    monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(turns))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    want = [o.token_ids for o in LLM(models / "t", None).generate(PROMPTS, params)]
+    llm = adaptive(models, draft_tree=False, prompt_lookup_min=lookups)
+    assert llm.engine.policy.options == (7, 3, 0)
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == want
+    # A step verified 7, 3, 3 and 0 drafts in turn (fewer near max_tokens): with
+    # every step a whole block's, rows would have verified ~7 a step.
+    steps = sum(len(o.metrics.acceptance_lengths) for o in got)
+    assert 0 < sum(o.metrics.num_draft_tokens for o in got) < 0.6 * 7 * steps
+
+
 def test_adaptive_sampled_steps_keep_the_distribution(tmp_path, monkeypatch):
-    """Speculative and autoregressive steps alternating within requests (the
-    policy forced to flip every step): the token triples of 20k seeded
-    requests follow the target's joint distribution."""
-    flips = itertools.cycle([True, False])
-    monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(flips))
+    """Speculative steps of whole blocks and of shorter chains, and
+    autoregressive ones, taking turns within requests (the policy forced):
+    the token triples of 20k seeded requests follow the target's joint
+    distribution."""
+    turns = itertools.cycle([3, 0, 1])  # the drafter's block is 4 rows: 3 drafts, or 1
+    monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(turns))
     outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], 20000, cuda_graphs=True, async_scheduling=True,
-                                         adaptive_speculation=True)
+                                         adaptive_speculation=True, draft_tree=False, shortest_verify_block=2)
     assert all(len(o.token_ids) == 3 for o in outs)
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.02 * len(outs)
     assert pooled_chi2_p(cells, joint) > 1e-3
