@@ -212,7 +212,7 @@ class AsyncSteps:
                 shared.setdefault("history", self._step_buffers[0]["history"])
             self._step_graphs[key] = build_step_graphs(
                 target, local, settings, sampling=sampling, shared=shared,
-                tree=self.tree,
+                tree=None if block else self.tree,
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
                 speculate=spec, block_size=block,
             )
@@ -321,10 +321,10 @@ class AsyncSteps:
     def _shorter_drafts(self) -> tuple[int, ...]:
         """Draft counts of the shorter chains the policy may verify: the
         block halved while it keeps ``shortest_verify_block`` rows. Chains
-        only (a draft tree is shaped for the whole block), and rank 0's own
-        graphs (a drafter or TP followers in other processes would need
-        their halves at each length: not built)."""
-        if self.tree is not None or self._peers():
+        (where the whole block holds a draft tree, the shorter ones are
+        chains), in rank 0's own graphs (a drafter or TP followers in other
+        processes would need their halves at each length: not built)."""
+        if self._peers():
             return ()
         out, rows = [], self.block_size // 2
         while rows >= max(2, self.config.shortest_verify_block):

@@ -128,7 +128,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.async_wall_s = self.async_gpu_s = 0.0
         self.num_prefill_chains = 0  # chains whose first step was launched from a prefill's device tokens
         self.tree = self._tree_universe()
-        self.policy = SpecPolicy(self.block_size, self._shorter_drafts()) \
+        self.policy = SpecPolicy(self.block_size, self._shorter_drafts(), tree=self.tree is not None) \
             if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain

@@ -76,9 +76,10 @@ class SpecPolicy:
     # Draft counts a step may verify besides the drafter's whole block
     # (``block_size - 1``) and none (an autoregressive step): shorter chains.
     shorter: tuple[int, ...] = ()
+    tree: bool = False  # the whole block holds a draft tree (the shorter ones are chains)
     cost: dict[tuple[int, int], float] = field(default_factory=dict)  # (padded batch, drafts) -> seconds
-    # sampling kind -> P(a row accepts at least j drafts), j = 1 .. block_size - 1
-    survival: dict[str, list[float | None]] = field(default_factory=dict)
+    # (sampling kind, "tree" or "chain") -> P(a row accepts at least j drafts), j = 1 .. block_size - 1
+    survival: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)
     since: dict[int, int] = field(default_factory=dict)  # drafts -> steps since a step verified that many
     choices: dict[int, int] = field(default_factory=dict)  # drafts -> steps that verified that many
     held: int = 0  # steps a probe still holds its kind for
@@ -112,7 +113,7 @@ class SpecPolicy:
     def tokens(self, kind: str, drafts: int) -> float:
         """Tokens a row is expected to emit in a step verifying ``drafts``
         drafts: the bonus and each draft it accepts."""
-        s = self.survival.get(_kind(kind), ())
+        s = self.survival.get(self._shape(kind, drafts), ())
         # a position not seen yet (a speculative step's first rows set it): half
         return 1.0 + sum(0.5 if x is None else x for x in (list(s) + [None] * drafts)[:drafts])
 
@@ -151,15 +152,19 @@ class SpecPolicy:
             fresh = old is None or seconds < old / 2
             self.cost[key] = seconds if fresh else (1 - ALPHA) * old + ALPHA * seconds
         if drafts and rows:
-            self._observe_acceptance(_kind(kind), rows)
+            self._observe_acceptance(self._shape(kind, drafts), rows)
 
-    def _observe_acceptance(self, kind: str, rows: list[tuple[int, int]]) -> None:
+    def _shape(self, kind: str, drafts: int) -> tuple[str, str]:
+        """A tree accepts more at each depth than a chain: their acceptance is kept apart."""
+        return _kind(kind), "tree" if self.tree and drafts == self.block_size - 1 else "chain"
+
+    def _observe_acceptance(self, key: tuple[str, str], rows: list[tuple[int, int]]) -> None:
         """Each position's survival moves by its rows (a row whose block
         was cut short, or shorter, tells nothing of the positions past it):
         a row accepting ``a`` of ``g`` drafts accepted at least ``j`` for
         every ``j <= a`` and not for ``a < j <= g``. A position's first
         rows set it (None: not seen yet)."""
-        s = self.survival.setdefault(kind, [None] * (self.block_size - 1))
+        s = self.survival.setdefault(key, [None] * (self.block_size - 1))
         for j in range(1, len(s) + 1):
             seen = [a >= j for a, g in rows if g >= j]
             if not seen:
@@ -173,8 +178,9 @@ class SpecPolicy:
         return {"speculative_steps": sum(c for d, c in self.choices.items() if d),
                 "autoregressive_steps": self.choices.get(0, 0),
                 "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
-                "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k in self.survival},
-                "survival": {k: [None if x is None else round(x, 4) for x in s] for k, s in self.survival.items()},
+                "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k, _ in self.survival},
+                "survival": {"/".join(k): [None if x is None else round(x, 4) for x in s]
+                             for k, s in self.survival.items()},
                 "step_ms": {step_key(n, d, full): round(1000 * t, 4) for (n, d), t in sorted(self.cost.items())},
                 "measured": {step_key(n, d, full): list(m) for (n, d), m in sorted(self.measured.items())}}
 

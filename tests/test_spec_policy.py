@@ -172,6 +172,12 @@ def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
     assert {15, 3, 0} <= set(picks) and picks.count(7) > 240
     snap = p.snapshot()
     assert snap["step_ms"]["32s7"] == 6.5 and snap["step_ms"]["32s"] == 12.0 and snap["step_ms"]["32a"] == 3.5
+    # where the whole block is a draft tree, the shorter chains' acceptance is their own
+    p = SpecPolicy(block_size=16, shorter=(7,), tree=True)
+    p.observe(8, 15, 0.002, "greedy", [(6, 15)] * 10)
+    assert p.tokens("greedy", 15) == 7 and p.tokens("greedy", 7) == 1 + 0.5 * 7  # no chain seen yet
+    p.observe(8, 7, 0.002, "greedy", [(2, 7)] * 10)
+    assert p.tokens("greedy", 7) == 3 and p.tokens("greedy", 15) == 7
 
 
 @pytest.fixture(scope="module")
@@ -198,16 +204,17 @@ def test_adaptive_greedy_is_autoregressive(models, lanes):
     assert sum(o.metrics.num_draft_tokens for o in got) < sum(len(o.token_ids) for o in got) * 7
 
 
-@pytest.mark.parametrize("lookups", [0, 2])
-def test_shorter_chains_give_the_autoregressive_tokens(models, lookups, monkeypatch):
-    """Greedy steps taking turns between the whole block, a shorter chain
-    and an autoregressive step (forced) emit the target's tokens."""
+@pytest.mark.parametrize("lookups, tree", [(0, False), (2, False), (0, True)])
+def test_shorter_chains_give_the_autoregressive_tokens(models, lookups, tree, monkeypatch):
+    """Greedy steps taking turns between the whole block (a chain or a
+    draft tree), a shorter chain and an autoregressive step (forced) emit
+    the target's tokens."""
     turns = itertools.cycle([7, 3, 3, 0])
     monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(turns))
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     want = [o.token_ids for o in LLM(models / "t", None).generate(PROMPTS, params)]
-    llm = adaptive(models, draft_tree=False, prompt_lookup_min=lookups)
-    assert llm.engine.policy.options == (7, 3, 0)
+    llm = adaptive(models, draft_tree=tree, prompt_lookup_min=lookups)
+    assert llm.engine.policy.options == (7, 3, 0) and (llm.engine.tree is not None) == tree
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == want
     # A step verified 7, 3, 3 and 0 drafts in turn (fewer near max_tokens): with
@@ -216,15 +223,16 @@ def test_shorter_chains_give_the_autoregressive_tokens(models, lookups, monkeypa
     assert 0 < sum(o.metrics.num_draft_tokens for o in got) < 0.6 * 7 * steps
 
 
-def test_adaptive_sampled_steps_keep_the_distribution(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tree", [False, True])
+def test_adaptive_sampled_steps_keep_the_distribution(tmp_path, monkeypatch, tree):
     """Speculative steps of whole blocks and of shorter chains, and
     autoregressive ones, taking turns within requests (the policy forced):
     the token triples of 20k seeded requests follow the target's joint
-    distribution."""
+    distribution. ``tree``: the whole blocks hold sampled draft trees."""
     turns = itertools.cycle([3, 0, 1])  # the drafter's block is 4 rows: 3 drafts, or 1
     monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(turns))
     outs, cells, joint = sampled_triples(tmp_path, [2, 5, 3], 20000, cuda_graphs=True, async_scheduling=True,
-                                         adaptive_speculation=True, draft_tree=False, shortest_verify_block=2)
+                                         adaptive_speculation=True, draft_tree=tree, shortest_verify_block=2)
     assert all(len(o.token_ids) == 3 for o in outs)
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0.02 * len(outs)
     assert pooled_chi2_p(cells, joint) > 1e-3
