@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from specray.config import ConfigError, EngineConfig
 from specray.faults import EngineUnavailable
-from specray.request import PromptsRefused, RequestOutput
+from specray.request import PromptsRefused, RequestOutput, take_queued
 from specray.sampling import SamplingParams
 
 
@@ -310,15 +310,17 @@ class AsyncEngine:
                 raise err
             self._epochs[rid] = epoch
             self._ensure_pump()
+            held = None  # an error met while taking queued outputs: the next item
             while True:
                 try:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    out = await asyncio.wait_for(queue.get(), left)
+                    out = held if held is not None else await asyncio.wait_for(queue.get(), left)
                 except asyncio.TimeoutError:
                     raise RequestTimeout(f"the request did not finish within its timeout of {timeout:g} s") from None
                 if isinstance(out, BaseException):
                     finished = True
                     raise out
+                out, held = take_queued(out, queue)
                 finished = out.finished
                 yield out
                 if finished:

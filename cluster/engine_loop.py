@@ -16,7 +16,7 @@ import traceback
 
 from specray.engine import EngineCore
 from specray.faults import FaultHandler, GroupLost, format_error
-from specray.request import RequestOutput
+from specray.request import RequestOutput, coalesce
 from specray.sampling import SamplingParams
 
 log = logging.getLogger("specray.engine_loop")
@@ -124,7 +124,7 @@ class EngineLoop:
                 if left <= 0:
                     break
                 self._cv.wait(left)
-            return self._base + len(self._outbox), list(self._outbox)
+            return self._base + len(self._outbox), coalesce(self._outbox)
 
     def stats(self) -> dict:
         """Steps and their time, free/total blocks of each pool, queue sizes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -88,6 +89,44 @@ class RequestOutput:
     # finished one (None before it).
     delta_logprobs: list[TokenLogprobs] | None = None
     logprobs: list[TokenLogprobs] | None = None
+
+
+def take_queued(out: RequestOutput, queue) -> tuple[RequestOutput, BaseException | None]:
+    """``out`` merged with the outputs of its request already waiting in the
+    asyncio ``queue`` (a stream that fell behind sends them as one), and an
+    error met there (the stream's next item)."""
+    while not out.finished and not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, BaseException):
+            return out, item
+        out = merge_outputs(out, item)
+    return out, None
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output of a request standing for two in a row: ``later``, its
+    deltas extended by ``first``'s."""
+    lps = None if first.delta_logprobs is None and later.delta_logprobs is None else \
+        (first.delta_logprobs or []) + (later.delta_logprobs or [])
+    return dataclasses.replace(later, delta_text=first.delta_text + later.delta_text,
+                               delta_token_ids=first.delta_token_ids + later.delta_token_ids, delta_logprobs=lps)
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output a request, where ``outputs`` hold several of it (at the
+    place of its last): a consumer that fell behind the engine (a server
+    streaming to many clients) catches up in one chunk, not one a step."""
+    last = {o.request_id: i for i, o in enumerate(outputs)}
+    if len(last) == len(outputs):
+        return list(outputs)
+    merged: dict[str, RequestOutput] = {}
+    out = []
+    for i, o in enumerate(outputs):
+        prev = merged.get(o.request_id)
+        merged[o.request_id] = o if prev is None else merge_outputs(prev, o)
+        if last[o.request_id] == i:
+            out.append(merged[o.request_id])
+    return out
 
 
 @dataclass

@@ -16,6 +16,8 @@ import logging
 
 from starlette.responses import StreamingResponse
 
+from specray.request import take_queued
+
 log = logging.getLogger("specray.serve")
 
 
@@ -41,6 +43,7 @@ class Lease:
         self.rid: str | None = None
         self.task: asyncio.Task | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
+        self._held: BaseException | None = None  # an error met while taking queued outputs
         # until the request completes: the client went away
         self.status: int | str = "CANCELLED" if endpoint.startswith("grpc") else 499
         self._released = False
@@ -59,10 +62,12 @@ class Lease:
                 raise
 
     async def next(self):
-        """The request's next RequestOutput; raises what the engine raised."""
-        item = await self.queue.get()
+        """The request's next RequestOutput (those already queued as one);
+        raises what the engine raised."""
+        item, self._held = (self._held, None) if self._held is not None else (await self.queue.get(), None)
         if isinstance(item, BaseException):
             raise item
+        item, self._held = take_queued(item, self.queue)
         return item
 
     async def release(self) -> None:
