@@ -395,7 +395,9 @@ def plot(report: dict, path: str) -> bool:
         line, = ax.plot(xs, [p["spec_tok_s"] for p in pts], marker="o", label=f"{name} spec")
         ax.plot(xs, [p["ar_tok_s"] for p in pts], marker="x", linestyle="--", color=line.get_color(),
                 label=f"{name} AR")
-        rx.plot(xs, [p["spec_tok_s"] / p["ar_tok_s"] for p in pts], marker="o", color=line.get_color(), label=name)
+        # the point's figure: the median of its paired run ratios (the tok/s are each side's median run)
+        rx.plot(xs, [p.get("speedup") or p["spec_tok_s"] / p["ar_tok_s"] for p in pts], marker="o",
+                color=line.get_color(), label=name)
     for a in (ax, rx):
         a.set_xscale("log", base=2)
         a.set_xticks(xs_all, [str(x) for x in xs_all])
