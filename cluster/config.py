@@ -421,11 +421,9 @@ class EngineConfig:
     # step times and acceptance say emits more tokens per second. None: on
     # where async steps run with the drafter in rank 0's process.
     adaptive_speculation: bool | None = None
-    # The adaptive policy may also verify shorter chains: the drafter's
-    # block halved while it keeps this many rows (16 -> 8, 4). Under load a
-    # verify of B rows a request is compute-bound where a shorter one
-    # emits nearly as much (the later drafts are the ones rejected). The
-    # block size turns them off. Chains only, rank 0's own graphs.
+    # The adaptive policy may also verify chains of the drafter's block
+    # halved while it keeps this many rows (16 -> 8, 4; the block size: off),
+    # in rank 0's own graphs: the later drafts are the ones rejected.
     shortest_verify_block: int = 4
     # A drafter in another process that does not answer a message within
     # this many seconds is taken for lost: steps go on without it and a new
