@@ -374,6 +374,10 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             out["draft_tree"] = feature(self.tree is not None, reason)
         if self.drafter is not None:
             out["adaptive_speculation"] = feature(self.policy is not None, self._adaptive_unsupported())
+            if self.policy is not None:  # the draft counts a step may verify (0: autoregressive)
+                out["adaptive_speculation"]["drafts"] = list(self.policy.options)
+                if self._peers():
+                    out["adaptive_speculation"]["note"] = "no shorter chains: they need rank 0's own graphs (TP 1)"
         out["overlap"] = feature(self._overlap_unsupported() is None, self._overlap_unsupported())
         if out["overlap"]["on"]:
             out["overlap"]["min_batch"] = self.config.overlap_min_batch

@@ -215,6 +215,7 @@ def test_shorter_chains_give_the_autoregressive_tokens(models, lookups, tree, mo
     want = [o.token_ids for o in LLM(models / "t", None).generate(PROMPTS, params)]
     llm = adaptive(models, draft_tree=tree, prompt_lookup_min=lookups)
     assert llm.engine.policy.options == (7, 3, 0) and (llm.engine.tree is not None) == tree
+    assert llm.engine.features()["adaptive_speculation"]["drafts"] == [7, 3, 0]
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == want
     # A step verified 7, 3, 3 and 0 drafts in turn (fewer near max_tokens): with
