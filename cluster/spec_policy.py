@@ -45,6 +45,7 @@ the target's tokens (greedy) or its distribution (sampled).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 ALPHA = 0.2  # weight of a new step-time measurement in its moving mean
 # Weight of one row in a position's acceptance mean (a step whose n rows
@@ -89,7 +90,7 @@ class SpecPolicy:
     # beside the cycles' own costs).
     measured: dict[tuple[int, int], list] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def options(self) -> tuple[int, ...]:
         """Draft counts a step may verify, the whole block first."""
         full = self.block_size - 1
@@ -165,12 +166,23 @@ class SpecPolicy:
         every ``j <= a`` and not for ``a < j <= g``. A position's first
         rows set it (None: not seen yet)."""
         s = self.survival.setdefault(key, [None] * (self.block_size - 1))
-        for j in range(1, len(s) + 1):
-            seen = [a >= j for a, g in rows if g >= j]
+        n = len(s)
+        # rows by the drafts they verified and accepted (counted once a row,
+        # not once a row and position: this runs every step, 64 rows at c=64)
+        verified, accepted = [0] * (n + 1), [0] * (n + 1)
+        for a, g in rows:
+            verified[min(g, n)] += 1
+            accepted[min(a, g, n)] += 1
+        seen = yes = 0  # rows that verified / accepted at least j drafts
+        at_least = []
+        for j in range(n, 0, -1):
+            seen, yes = seen + verified[j], yes + accepted[j]
+            at_least.append((seen, yes))
+        for j, (seen, yes) in enumerate(reversed(at_least), 1):
             if not seen:
                 break  # a row verifies its drafts from the first: none saw a later one
-            mean = sum(seen) / len(seen)
-            w = 1.0 if s[j - 1] is None else 1 - (1 - ROW_ALPHA) ** len(seen)
+            mean = yes / seen
+            w = 1.0 if s[j - 1] is None else 1 - (1 - ROW_ALPHA) ** seen
             s[j - 1] = mean if w == 1.0 else (1 - w) * s[j - 1] + w * mean
 
     def snapshot(self) -> dict:
