@@ -50,8 +50,9 @@ class InflightStep:
     ready: torch.cuda.Event | None  # recorded after the copy into ``results``
     lane: int = 0  # the micro-batch it belongs to (its graphs, state and stream)
     timing: tuple | float | None = None  # CUDA events around the replay, or its host seconds off CUDA
-    spec: bool = True  # verified the drafter's blocks (else an autoregressive step: spec_policy.py)
-    drafts: int = 0  # drafts a row verified at most (a shorter chain than the drafter's block: fewer)
+    # drafts a row verified at most: the drafter's block's, a shorter chain's, or 0 (an
+    # autoregressive step: spec_policy.py; every step of an engine without a drafter)
+    drafts: int = 0
     padded: int = 0  # the batch size its graph ran at
     mode: str = "greedy"
     accepted: list[tuple[int, int]] | None = None  # a speculative step's, once applied: per live row (accepted, verified)
@@ -147,7 +148,7 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
         results, ready = core.result_buffers.fetch(out)
     else:
         results, ready = out.clone(), None
-    return InflightStep(list(requests), results, ready, lane, timing, spec, drafts, graphs.padded(len(requests)),
+    return InflightStep(list(requests), results, ready, lane, timing, drafts, graphs.padded(len(requests)),
                         mode, captured=fresh)
 
 
@@ -446,7 +447,7 @@ class AsyncSteps:
         # The block the graph verified, cut as the scheduler cuts it from
         # the host's view when the step was launched (it is now).
         verified = [min(self.scheduler.block_len(r) - 1, step.drafts) for r in step.requests]
-        if step.spec and self.drafter is not None:
+        if step.drafts:
             step.accepted = [(row[0], g) for r, row, g in zip(step.requests, rows, verified) if not r.finished]
         for r, (a, bonus, looked_up, drafts), num_drafts in zip(step.requests, rows, verified):
             if r.finished:

@@ -219,7 +219,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         wall and GPU seconds, tokens emitted (where a speculative engine's
         time goes, beside the policy's own view: bench/concurrency_sweep.py)."""
         p = applied[0]
-        key = step_key(p.padded, p.drafts if self.drafter is not None else 0, self.block_size - 1)
+        key = step_key(p.padded, p.drafts, self.block_size - 1)
         key += "+join" if joined else ""
         c = self.cycle_costs.setdefault(key, [0, 0.0, 0.0, 0])
         c[0] += 1

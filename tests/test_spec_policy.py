@@ -124,7 +124,7 @@ def test_a_step_after_another_kind_is_not_timed():
     eng.policy, eng._cycle, eng._observed_kind = SpecPolicy(block_size=16), None, None
 
     def step(spec: bool, **kw):
-        return InflightStep([object()], None, None, spec=spec, drafts=15 if spec else 0, padded=8, **kw)
+        return InflightStep([object()], None, None, drafts=15 if spec else 0, padded=8, **kw)
 
     def cycle(spec: bool, wall: float, launched: bool | None = None):
         """A cycle that applied a step of kind ``spec`` and launched one of
