@@ -51,7 +51,68 @@ def host_top(prof: cProfile.Profile, n: int, key: str = "own_ms", files: str | N
     return rows[:n]
 
 
-def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures: CaptureCounter) -> dict:
+class PhaseTimer:
+    """Host wall time of named engine functions (no added syncs: a phase
+    that launches GPU work costs its launch, one that reads results back
+    its wait), apart for cycles in which requests joined the running
+    chain (``join_chain``) and the others, per cycle of each kind."""
+
+    def __init__(self, eng):
+        from specray import async_decode, chain_admit, sync_accept
+
+        self.eng, self.ms, self.cycles, self._in_join, self._undo = eng, Counter(), Counter(), False, []
+        wrap = [(type(eng), n) for n in ("_target_batch", "_accept", "_apply", "_apply_inflight", "speculate",
+                                         "_join_lanes", "_can_chain", "_sync_step", "_logprob_rows")]
+        wrap += [(chain_admit, "_store_prompts"), (async_decode, "launch_decode"), (async_decode, "join_rows"),
+                 (sync_accept.AcceptedOnDevice, "read"), (async_decode.InflightStep, "wait"),
+                 (eng.scheduler, "admit_whole"), (eng.target, "execute"), (eng, "add_request")]
+        for owner, name in wrap:
+            self._wrap(owner, name)
+        self._wrap(chain_admit, "join_chain", join=True)
+        self._wrap(type(eng), "step", step=True)
+        import specray.engine as engine_module  # imports join_chain by name
+        self._undo.append((engine_module, "join_chain", engine_module.join_chain))
+        engine_module.join_chain = chain_admit.join_chain
+
+    def _wrap(self, owner, name, join=False, step=False):
+        fn = getattr(owner, name)
+        self._undo.append((owner, name, fn))
+        timer = self
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            if join:
+                timer._in_join = True
+            joins = timer.eng.num_chain_joins
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = 1000 * (time.perf_counter() - t)
+                if step:
+                    kind = "join" if timer.eng.num_chain_joins > joins else "other"
+                    timer.cycles[kind] += 1
+                    timer.ms[(kind, "step")] += dt
+                    for key in [k2 for k2 in timer.ms if k2[0] == "pending"]:
+                        timer.ms[(kind, key[1])] += timer.ms.pop(key)
+                    timer._in_join = False
+                else:
+                    timer.ms[("pending", name + (" (in join_chain)" if timer._in_join and not join else ""))] += dt
+
+        setattr(owner, name, timed)
+
+    def report(self) -> dict:
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        out = {}
+        for kind in ("join", "other"):
+            n = self.cycles[kind]
+            rows = {name: round(v / n, 4) for (k, name), v in self.ms.items() if k == kind and n}
+            out[kind] = {"cycles": n, "ms_per_cycle": dict(sorted(rows.items(), key=lambda kv: -kv[1]))}
+        return out
+
+
+def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures: CaptureCounter,
+                phases: bool = False) -> dict:
     eng = llm.engine
     if force_ar:
         if eng.policy is None:
@@ -67,6 +128,10 @@ def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures
            "chain_breaks": dict(eng.chain_breaks - breaks), "chain_joins": eng.num_chain_joins - joins}
     acc = [a for o in outs for a in o.metrics.acceptance_lengths]
     out["mean_acceptance_length"] = round(sum(acc) / len(acc), 3) if acc else None
+    if phases:
+        timer = PhaseTimer(eng)
+        closed_loop(eng, prompts, params, c)
+        out["phases"] = timer.report()
     prof = cProfile.Profile()
     prof.enable()
     t = time.perf_counter()
@@ -94,6 +159,8 @@ def main(argv=None) -> dict:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--variants", nargs="+", default=["ar", "spec", "forced_ar"],
                    choices=["ar", "spec", "forced_ar"])
+    p.add_argument("--phases", action="store_true",
+                   help="also time the engine's phases (no profiler), join cycles apart from the others")
     p.add_argument("--out", default="results/load_profile.json")
     args = p.parse_args(argv)
     from specray.cli import resolve_models
@@ -110,7 +177,7 @@ def main(argv=None) -> dict:
         if prompts is None:
             rows = [q for _, q in load_prompts(args.prompts, llm.tokenizer)]
             prompts = [rows[(c + j) % len(rows)] for j in range(args.rounds * c)]
-        v = run_variant(llm, prompts, params, c, name == "forced_ar", args.top, captures)
+        v = run_variant(llm, prompts, params, c, name == "forced_ar", args.top, captures, args.phases)
         report["variants"][name] = v
         s = v["steps"]
         print(f"{name}: {v['tok_s']} tok/s, {s['steps']} steps, async {s['async_steps']} at "
