@@ -37,7 +37,7 @@ import torch
 from specray.actors.kv_cache import block_table_tensor
 from specray.faults import drafter_part, fail_request, format_error
 from specray.request import Request, RequestOutput
-from specray.chain_admit import JOIN_MAX, may_join
+from specray.chain_admit import may_join
 from specray.chain_rows import batch_mode, first_inputs, join_rows, write_history
 
 
@@ -365,7 +365,7 @@ class AsyncSteps:
 
     def begin_chain(self) -> None:
         self._observed_kind = None  # a chain's first cycle waits for its first step whole: not timed
-        self._join_waited = 0
+        self.join_wait.reset()
         for w in self._peers():
             if hasattr(w, "begin_chain"):
                 with drafter_part("a chain's start") if w is self.drafter else nullcontext():
@@ -386,7 +386,7 @@ class AsyncSteps:
         if not live or len(sched.running) != len(live):
             return self._drain("rows changed")
         joins = may_join(self, requests) if self._rows_may_finish() else 0
-        waits = joins and self._join_waits(joins)
+        waits = self.join_wait.waits(joins, len(requests))
         if not joins and sched.could_admit(len(live) * B):
             return self._drain("admission")
         if len(live) < len(requests) and not self._finished_rows_ride(len(requests), len(live), joins):
@@ -404,16 +404,6 @@ class AsyncSteps:
         if not all(sched.reserve(r, r.num_computed + 2 * B) for r in live):
             return self._drain("no room to reserve")
         self._join_next = 0 if waits else joins
-        return True
-
-    def _join_waits(self, joins: int) -> bool:
-        """Whether the ``joins`` requests that may join now wait for more
-        (``join_batch``), for at most ``join_wait_steps`` steps."""
-        want = min(self.config.join_batch, JOIN_MAX)
-        if joins >= want or self._join_waited >= self.config.join_wait_steps:
-            self._join_waited = 0
-            return False
-        self._join_waited += 1
         return True
 
     def _rows_may_finish(self) -> bool:

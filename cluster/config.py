@@ -130,13 +130,12 @@ class EngineConfig:
     # meanwhile. One lane and rank 0's own graphs only (a drafter or TP
     # followers in other processes keep row state of their own).
     admit_into_chain: bool = True
-    # A join waits, finished rows riding meanwhile, until this many waiting
-    # requests may join in one step (at most chain_admit.JOIN_MAX), or for
-    # join_wait_steps steps: a join cycle costs several steps' time whatever
-    # it admits (H100, c=64 T=1: 8.6 ms against 2.1 for a plain cycle), and
-    # a speculative engine's rows finish apart, one or two a cycle. 1 joins
-    # as soon as one may; more is not measured on a GPU yet.
-    join_batch: int = 1
+    # When waiting requests join a running chain (join_wait.py): None waits,
+    # finished rows riding meanwhile, while what the wait has cost stays
+    # below a join cycle's measured extra cost (a join costs several
+    # steps' time whatever it admits); N waits until N may join together
+    # (1: at once). Either waits join_wait_steps steps at most.
+    join_batch: int | None = None
     join_wait_steps: int = 8
     # Load-adaptive speculation (spec_policy.py): each async step verifies
     # the drafter's block or runs autoregressively, whichever the measured
@@ -178,7 +177,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be at least 2 (or unset), got {getattr(self, name)}")
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_k", "overlap_min_batch",
                      "join_batch", "shortest_verify_block"):
-            if int(getattr(self, name)) <= 0:
+            if getattr(self, name) is not None and int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lone_prefills", "join_wait_steps"):
             if getattr(self, name) < 0:

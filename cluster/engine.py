@@ -28,13 +28,14 @@ import torch
 
 from specray.actors.kv_cache import BlockAllocator
 from specray.async_decode import AsyncSteps, InflightStep, launch_decode
-from specray.chain_admit import chain_from_prefill, join_chain
+from specray.chain_admit import JOIN_MAX, chain_from_prefill, join_chain
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import decodes_in_runs, max_prompt_chars, text_decoder
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
 from specray.faults import fail_request, format_error
 from specray.emit import RequestEmit
 from specray.intake import RequestIntake
+from specray.join_wait import JoinWait
 from specray.request import Request, RequestOutput
 from specray.prompt_lookup import merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors
@@ -132,7 +133,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
-        self._join_waited = 0  # steps those requests have waited to join together (join_batch)
+        self.join_wait = JoinWait(JOIN_MAX, config.join_wait_steps, config.join_batch)  # when they join
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self.cycle_costs: dict[str, list] = {}  # _count_cycle
@@ -208,6 +209,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         captured = any(p.timing is None for p in self._inflight)
         self._cycle = (t0, prev) if self._inflight and not captured else None
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
+        if chained and not captured:
+            self.join_wait.observe(1000 * self.last_step.total, joined_outputs is not None)
         self.async_wall_s += self.last_step.total
         self._count_cycle(prev, joined_outputs is not None, outputs, gpu_s)
         return outputs
