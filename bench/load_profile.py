@@ -54,15 +54,20 @@ def host_top(prof: cProfile.Profile, n: int, key: str = "own_ms", files: str | N
 class PhaseTimer:
     """Host wall time of named engine functions (no added syncs: a phase
     that launches GPU work costs its launch, one that reads results back
-    its wait), apart for cycles in which requests joined the running
-    chain (``join_chain``) and the others, per cycle of each kind."""
+    its wait), per ``step()`` call of each kind: requests joined the
+    running chain (``join_chain``), a synchronous step (a prefill, a
+    chain's start), or asynchronous steps only."""
 
     def __init__(self, eng):
         from specray import async_decode, chain_admit, sync_accept
 
         self.eng, self.ms, self.cycles, self._in_join, self._undo = eng, Counter(), Counter(), False, []
+        import specray.engine as engine_module
+
         wrap = [(type(eng), n) for n in ("_target_batch", "_accept", "_apply", "_apply_inflight", "speculate",
-                                         "_join_lanes", "_can_chain", "_sync_step", "_logprob_rows")]
+                                         "_join_lanes", "_can_chain", "_sync_step", "_logprob_rows", "_emit",
+                                         "store_context", "_shape_admission")]
+        wrap += [(engine_module, "chain_from_prefill"), (eng.scheduler, "schedule")]
         wrap += [(chain_admit, "_store_prompts"), (async_decode, "launch_decode"), (async_decode, "join_rows"),
                  (sync_accept.AcceptedOnDevice, "read"), (async_decode.InflightStep, "wait"),
                  (eng.scheduler, "admit_whole"), (eng.target, "execute"), (eng, "add_request")]
@@ -70,7 +75,6 @@ class PhaseTimer:
             self._wrap(owner, name)
         self._wrap(chain_admit, "join_chain", join=True)
         self._wrap(type(eng), "step", step=True)
-        import specray.engine as engine_module  # imports join_chain by name
         self._undo.append((engine_module, "join_chain", engine_module.join_chain))
         engine_module.join_chain = chain_admit.join_chain
 
@@ -89,7 +93,8 @@ class PhaseTimer:
             finally:
                 dt = 1000 * (time.perf_counter() - t)
                 if step:
-                    kind = "join" if timer.eng.num_chain_joins > joins else "other"
+                    synced = ("pending", "_sync_step") in timer.ms
+                    kind = "join" if timer.eng.num_chain_joins > joins else "sync" if synced else "async"
                     timer.cycles[kind] += 1
                     timer.ms[(kind, "step")] += dt
                     for key in [k2 for k2 in timer.ms if k2[0] == "pending"]:
@@ -104,7 +109,7 @@ class PhaseTimer:
         for owner, name, fn in reversed(self._undo):
             setattr(owner, name, fn)
         out = {}
-        for kind in ("join", "other"):
+        for kind in ("join", "sync", "async"):
             n = self.cycles[kind]
             rows = {name: round(v / n, 4) for (k, name), v in self.ms.items() if k == kind and n}
             out[kind] = {"cycles": n, "ms_per_cycle": dict(sorted(rows.items(), key=lambda kv: -kv[1]))}
