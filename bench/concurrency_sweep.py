@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from scaling_sweep import SHAPES, random_checkpoints  # random checkpoints of real shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CaptureCounter
+from common import CaptureCounter, GcWatch
 
 from specray import LLM, SamplingParams
 from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle
@@ -190,8 +190,9 @@ def run_point(eng, prompts: list, args, temperature: float, c: int, captures=Non
     if getattr(eng, "oracle", None) is not None:
         eng.oracle.stats = OracleStats()
     before, cap = step_counters(eng), captures.snapshot() if captures else None
-    outs, secs = closed_loop(eng, prompts, params, c)
-    steps = step_summary(eng, before, secs)
+    with GcWatch() as collections:
+        outs, secs = closed_loop(eng, prompts, params, c)
+    steps = step_summary(eng, before, secs) | collections.as_dict()
     if captures:
         steps |= captures.since(cap)
     return outs, secs, steps
@@ -203,8 +204,19 @@ def median_run(runs: list[tuple]) -> tuple:
     return sorted(runs, key=lambda r: r[1])[len(runs) // 2]
 
 
+def freeze_heap(on: bool) -> None:
+    """The engines built, what the process holds so far is left out of the
+    garbage collector's full collections, as the served engine's process
+    does (engine_loop.py): without it, one such collection traverses the
+    models' and tokenizers' objects mid-point (``GcWatch``)."""
+    if on:
+        gc.collect()
+        gc.freeze()
+
+
 def release() -> None:
     """After the last reference to an engine is dropped: its memory back."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -257,6 +269,8 @@ def sweep(args) -> dict:
     prompts = workload(args, ar.tokenizer, vocab)
     oracle = Oracle(profile, vocab) if profile else None
     run["ar_features"] = ar.engine.features()
+    run["gc_freeze"] = args.gc_freeze
+    freeze_heap(args.gc_freeze)
     run["order"] = ("interleaved: each point AR then speculative, both engines resident" if interleave else
                     "every AR point, then every speculative point")
 
@@ -304,6 +318,7 @@ def sweep(args) -> dict:
             install_oracle(spec.engine, oracle)
         run["block_size"] = spec.engine.block_size
         run["spec_features"] = spec.engine.features()
+        freeze_heap(args.gc_freeze)
         return spec
 
     if not interleave:
@@ -451,6 +466,9 @@ def main(argv=None) -> dict:
     p.add_argument("--join-batch", type=int, help="both engines: requests that join a chain together (join_batch)")
     p.add_argument("--join-wait-steps", type=int, help="both engines: steps a join waits for them at most")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave the engines' start-up heap out of full garbage collections (as the served "
+                        "engine's process does); each point reports the full collections it met")
     p.add_argument("--repeats", type=int, default=3,
                    help="interleaved: timed runs a point, each AR then speculative; a point reports the median "
                         "tok/s of each and the median of the paired ratios (the machine drifts between runs)")

@@ -9,6 +9,7 @@ never waits on a caller and makes no RPC.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -45,6 +46,12 @@ class EngineLoop:
         self.faults = FaultHandler(engine, restart_drafter, restart_inline, wake=self._wake)
         self.failure: str | None = None  # what ended the loop, when a lost worker did
         self._step_started: float | None = None
+        # What the process holds once the engine is built (models,
+        # tokenizers, graphs: ~300k objects for the embedded pair) is left
+        # out of the collector's full collections, which traversed it all
+        # (~100 ms) mid-stream whenever enough new objects had survived.
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
 
@@ -163,6 +170,7 @@ class EngineLoop:
             self._stopped = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
+        gc.unfreeze()  # the engine's memory may be collected once it is dropped
 
     # --------------------------------------------------------------- loop
     def _run(self) -> None:
