@@ -28,7 +28,8 @@ import torch
 
 from specray.actors.kv_cache import BlockAllocator
 from specray.async_decode import AsyncSteps, InflightStep, launch_decode
-from specray.chain_admit import JOIN_MAX, chain_from_prefill, join_chain
+from specray import chain_admit
+from specray.chain_admit import chain_from_prefill, join_chain
 from specray.config import ConfigError, DrafterSpec, EngineConfig, TargetSpec
 from specray.detokenizer import decodes_in_runs, max_prompt_chars, text_decoder
 from specray.draft_tree import load_universe, unsupported as tree_unsupported
@@ -133,7 +134,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             if self._adaptive_unsupported() is None else None
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
-        self.join_wait = JoinWait(JOIN_MAX, config.join_wait_steps, config.join_batch)  # when they join
+        self.join_wait = JoinWait(chain_admit.JOIN_MAX, config.join_wait_steps, config.join_batch)  # when they join
         self.num_chain_joins = 0  # requests admitted into a running chain (chain_admit.py)
         self.chain_breaks: Counter = Counter()  # why chains of async steps drained, by rule
         self.cycle_costs: dict[str, list] = {}  # _count_cycle
