@@ -59,11 +59,10 @@ class PhaseTimer:
     chain's start), or asynchronous steps only."""
 
     def __init__(self, eng):
+        import specray.engine as engine_module
         from specray import async_decode, chain_admit, sync_accept
 
         self.eng, self.ms, self.cycles, self._in_join, self._undo = eng, Counter(), Counter(), False, []
-        import specray.engine as engine_module
-
         wrap = [(type(eng), n) for n in ("_target_batch", "_accept", "_apply", "_apply_inflight", "speculate",
                                          "_join_lanes", "_can_chain", "_sync_step", "_logprob_rows", "_emit",
                                          "store_context", "_shape_admission")]

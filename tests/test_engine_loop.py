@@ -1,9 +1,14 @@
-"""EngineLoop.get_outputs: how long a poll holds outputs back."""
+"""EngineLoop.get_outputs: how long a poll holds outputs back; the loop's
+start-up heap and the garbage collector."""
 
+import gc
 import threading
 import time
 
+from factories import make_models
+from specray.config import EngineConfig
 from specray.engine_loop import EngineLoop
+from specray.llm import build_engine
 from specray.request import RequestMetrics, RequestOutput
 
 
@@ -48,3 +53,16 @@ def test_an_end_arriving_while_steps_are_batched_goes_at_once():
     # one output for the request: the batched step's tokens and its end (request.coalesce)
     assert len(outs) == 1 and outs[0].finished and outs[0].delta_token_ids == [9, 10] and cursor == 2
     assert time.monotonic() - t < 0.4  # not the 0.6 s a batch may wait
+
+
+def test_the_loop_leaves_its_start_up_heap_out_of_full_collections(tmp_path):
+    """What the process holds once the engine is built is frozen while the
+    loop runs (a full collection would traverse it mid-stream), and
+    unfrozen when it stops, so that a dropped engine can be collected."""
+    models = make_models(tmp_path)
+    loop = EngineLoop(build_engine(EngineConfig(target=str(models / "t"), drafter=str(models / "d"))))
+    try:
+        assert gc.get_freeze_count() > 1000
+    finally:
+        loop.stop()
+    assert gc.get_freeze_count() == 0
