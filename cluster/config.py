@@ -131,10 +131,11 @@ class EngineConfig:
     # followers in other processes keep row state of their own).
     admit_into_chain: bool = True
     # When waiting requests join a running chain (join_wait.py): None waits,
-    # finished rows riding meanwhile, while what the wait has cost stays
-    # below a join cycle's measured extra cost (a join costs several
-    # steps' time whatever it admits); N waits until N may join together
-    # (1: at once). Either waits join_wait_steps steps at most.
+    # finished rows riding meanwhile, for the batch that costs least given
+    # a join cycle's measured extra cost (a join costs several steps' time
+    # whatever it admits) and how often requests arrive (1, at once, under
+    # light load); N waits until N may join together (1: at once). Either
+    # waits join_wait_steps steps at most.
     join_batch: int | None = None
     join_wait_steps: int = 8
     # Load-adaptive speculation (spec_policy.py): each async step verifies

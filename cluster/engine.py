@@ -183,7 +183,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         prev = self._inflight
         everyone = [r for p in prev for r in p.requests]
         chained = self._can_chain(everyone)
-        joined_outputs = None
+        joined_outputs, joins_before = None, self.num_chain_joins
         if chained and self._join_next:
             self._inflight = []
             # a prefill step whose launch of the next step takes the requests in
@@ -211,7 +211,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self._cycle = (t0, prev) if self._inflight and not captured else None
         self.last_step = StepStats(len(everyone), 0, time.perf_counter() - t0)
         if chained and not captured:
-            self.join_wait.observe(1000 * self.last_step.total, joined_outputs is not None)
+            self.join_wait.observe(1000 * self.last_step.total, self.num_chain_joins - joins_before)
         self.async_wall_s += self.last_step.total
         self._count_cycle(prev, joined_outputs is not None, outputs, gpu_s)
         return outputs

@@ -502,7 +502,7 @@ def test_requests_wait_to_join_together(models, drafter):
               for n in torch.randint(6, 40, (24,), generator=g)]
     want, _ = closed_loop(engine(models, drafter, False), ps, params, 6)
     join_steps = {}
-    for batch in (1, 3, None):  # None: rent or buy on the CPU's own cycle times (join_wait.py)
+    for batch in (1, 3, None):  # None: the batch the CPU's own cycle times make cheapest (join_wait.py)
         eng = engine(models, drafter, True, join_batch=batch, join_wait_steps=40)
         got, _ = closed_loop(eng, ps, params, 6)
         assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}, batch
