@@ -187,3 +187,22 @@ def test_direct_ingress_default(argv, env, direct, said, monkeypatch, capsys):
         assert "HTTP through Serve's proxy, not direct ingress" in out and said in out, out
     else:
         assert out == ""
+
+
+def test_the_proxy_port_is_outside_the_ephemeral_range(monkeypatch):
+    """With direct ingress Serve's proxy gets a port chosen before Ray
+    starts: one from the kernel's ephemeral range could be taken by an
+    outgoing connection of Ray's first (CI saw "Failed to bind to address
+    127.0.0.1:52365")."""
+    from specray.serve.cli import direct_ingress_environment
+
+    for name in ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_PORT_QUARANTINE_S"):
+        monkeypatch.delenv(name, raising=False)
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    for _ in range(20):
+        port = free_port()
+        proxy = direct_ingress_environment("127.0.0.1", port)
+        assert proxy != port and not low <= proxy <= high
+        assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == str(port)

@@ -109,8 +109,12 @@ def direct_ingress_environment(host: str, port: int) -> int:
     Serve still runs its proxy (gRPC, and HTTP on a free port returned
     here). The proxy's hop (the request to the replica and every streamed
     chunk back through a Ray call) cost 5-10 ms of time to first token on
-    the development CPU (results/cpu_direct_ingress.json)."""
-    import socket
+    the development CPU (results/cpu_direct_ingress.json). The proxy's port
+    is taken outside the kernel's ephemeral range: one the kernel handed
+    out here could be taken by an outgoing connection of Ray's, which
+    starts after, before the proxy binds it (CI: "Failed to bind to address
+    127.0.0.1:52365")."""
+    from specray.serve_process import free_port
 
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(port)
@@ -118,9 +122,9 @@ def direct_ingress_environment(host: str, port: int) -> int:
     # A released port is held back for Serve's HAProxy mode (none here): the
     # replica Serve starts in place of a lost one must take the same port.
     os.environ["RAY_SERVE_PORT_QUARANTINE_S"] = "0"
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    while (proxy := free_port(host)) == port:
+        pass
+    return proxy
 
 
 def _ray_logs_dir() -> str | None:
