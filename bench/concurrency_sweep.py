@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CaptureCounter, GcWatch
 
 from specray import LLM, SamplingParams
+from specray.engine_loop import freeze_startup_heap
 from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle
 
 MODELS = ["embedded"] + [f"{shape}-oracle" for shape in sorted(SHAPES)]
@@ -206,12 +207,11 @@ def median_run(runs: list[tuple]) -> tuple:
 
 def freeze_heap(on: bool) -> None:
     """The engines built, what the process holds so far is left out of the
-    garbage collector's full collections, as the served engine's process
-    does (engine_loop.py): without it, one such collection traverses the
-    models' and tokenizers' objects mid-point (``GcWatch``)."""
+    garbage collector's full collections, as the served engine's loop
+    does: without it, one such collection traverses the models' and
+    tokenizers' objects mid-point (``GcWatch``)."""
     if on:
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
 
 
 def release() -> None:

@@ -23,6 +23,16 @@ from specray.sampling import SamplingParams
 log = logging.getLogger("specray.engine_loop")
 
 
+def freeze_startup_heap() -> None:
+    """What the process holds once the engine is built (models,
+    tokenizers, graphs: ~300k objects for the embedded pair) is left out of
+    the collector's full collections, which traversed it all (~100 ms)
+    mid-stream whenever enough new objects had survived; ``gc.unfreeze()``
+    gives it back."""
+    gc.collect()
+    gc.freeze()
+
+
 class EngineLoop:
     """``restart_drafter`` / ``restart_inline``: how a lost drafter is
     replaced (``faults.FaultHandler``)."""
@@ -46,12 +56,7 @@ class EngineLoop:
         self.faults = FaultHandler(engine, restart_drafter, restart_inline, wake=self._wake)
         self.failure: str | None = None  # what ended the loop, when a lost worker did
         self._step_started: float | None = None
-        # What the process holds once the engine is built (models,
-        # tokenizers, graphs: ~300k objects for the embedded pair) is left
-        # out of the collector's full collections, which traversed it all
-        # (~100 ms) mid-stream whenever enough new objects had survived.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
 
