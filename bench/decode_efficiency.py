@@ -46,9 +46,9 @@ def checkpoint_bytes(path: str, itemsize: int) -> int:
     return n * itemsize
 
 
-def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> float:
-    """Seconds a batch-1 forward of ``rows`` query rows over ``context``
-    cached tokens takes, replayed as a graph (on the CPU: run eagerly)."""
+def forward_graph(worker, rows: int, context: int, kv_block: int):
+    """A batch-1 forward of ``rows`` query rows over ``context`` cached
+    tokens, captured (on the CPU: run eagerly): ``(run, graph or None)``."""
     bufs, per_seq, forward = worker._static_forward(rows, 1, kv_block, want_hidden=False, one_logits_row=False)
     graphs = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, worker.device)
     blocks = -(-context // kv_block)
@@ -60,13 +60,19 @@ def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> f
               "seq_lens": torch.tensor([context]), "block_tables": table}
     for _ in range(3):
         graphs.run(1, inputs)
+    return (lambda: graphs.run(1, inputs)), graphs.graphs.get(1) if worker.device.type == "cuda" else None
+
+
+def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> float:
+    """Seconds a batch-1 forward of ``rows`` query rows over ``context``
+    cached tokens takes, replayed as a graph (on the CPU: run eagerly)."""
+    run, graph = forward_graph(worker, rows, context, kv_block)
     dev = worker.device
-    if dev.type != "cuda":
+    if graph is None:
         t = time.perf_counter()
         for _ in range(replays):
-            graphs.run(1, inputs)
+            run()
         return (time.perf_counter() - t) / replays
-    graph = graphs.graphs[1]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     sync(dev)
     start.record()
@@ -75,6 +81,37 @@ def forward_s(worker, rows: int, context: int, kv_block: int, replays: int) -> f
     end.record()
     sync(dev)
     return start.elapsed_time(end) / 1000 / replays
+
+
+def kernel_times(worker, context: int, kv_block: int, replays: int = 20) -> dict:
+    """Where an autoregressive forward's GPU time goes: the profiler's
+    kernels over ``replays`` graph replays (eager runs on the CPU), summed
+    by name a forward, and one forward's kernels in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run, graph = forward_graph(worker, 1, context, kv_block)
+    cuda = graph is not None
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(replays):
+            graph.replay() if cuda else run()
+        sync(worker.device)
+    events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and
+              (cuda or e.cpu_parent is None)]
+    events.sort(key=lambda e: e.time_range.start)
+    by_name: dict[str, list] = {}
+    for e in events:
+        t = by_name.setdefault(e.name, [0, 0.0])
+        t[0] += 1
+        t[1] += e.time_range.elapsed_us()
+    total_us = sum(t[1] for t in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    per = len(events) // replays
+    return {
+        "kernels_per_forward": per, "kernel_us_per_forward": round(total_us / replays, 1),
+        "by_name": [{"name": k[:120], "count_per_forward": round(c / replays, 2), "us_per_forward": round(us / replays, 1)}
+                    for k, (c, us) in top[:30]],
+        "one_forward": [{"name": e.name[:80], "us": round(e.time_range.elapsed_us(), 2)} for e in events[:per]],
+    }
 
 
 def main(argv=None) -> dict:
@@ -86,6 +123,7 @@ def main(argv=None) -> dict:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--kernels", action="store_true", help="add the AR forward's kernels (torch profiler)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     target = resolve_target(args)
@@ -116,6 +154,8 @@ def main(argv=None) -> dict:
         "engine_ar_of_copy_bandwidth": round(step_bytes / step_s / bandwidth, 3),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
     }
+    if args.kernels:
+        report["ar_forward_kernels"] = kernel_times(worker, args.context, kv_block)
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
