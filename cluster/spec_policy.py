@@ -19,18 +19,23 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   (``EngineCore._observe_cycle``: with a small model the host, whose work
   grows with the tokens a step emits, is the limit: on the H200 the
   embedded pair served at c=16 ran 0.73x of autoregressive when only device
-  time was weighed), an exponentially weighted mean, each measured on
-  first use by running that kind of step;
+  time was weighed): the lower median of its last ``COST_SAMPLES`` timed
+  steps, each kind measured on first use by running it. A median, since a
+  cycle's wall time has a floor and a long tail, and a losing kind is
+  timed only by its rare probes: on the H200 at c=64 T=1, moving means
+  priced autoregressive steps at 2.23 ms and 4-row chains at 2.71 where
+  such cycles ran at 1.58 and 2.01, and the policy verified 8-row chains
+  at 0.93x of the autoregressive engine;
 * the tokens a row emits when it verifies ``d`` drafts: ``1 + sum(S_j, j <=
   d)``, where ``S_j``, the chance that a row accepts at least ``j`` drafts,
   is an exponentially weighted mean over the engine's recent speculative
   rows that verified a ``j``-th draft (a shorter chain's rows still count
   for the positions they verified), kept apart for greedy and sampled
   batches (their acceptance differs by half). The losing kinds are
-  probed now and then: a kind with more drafts than the winner's every
-  ``PROBE_EVERY`` steps, one with fewer (autoregressive steps) every
-  ``AR_PROBE_EVERY``, both the rarer the further the estimate is from the
-  winner's (``probe_every``). A probe is ``PROBE_STEPS`` steps in a row,
+  probed now and then, each at a cost of at most ``PROBE_BUDGET`` of the
+  throughput (``probe_every``): a kind with more drafts than the winner's
+  at least ``PROBE_EVERY`` steps apart, one with fewer (autoregressive
+  steps) ``AR_PROBE_EVERY``. A probe is ``PROBE_STEPS`` steps in a row,
   and the engine measures no step whose kind or batch size differs from
   the step applied before it or the step launched beside it: such a cycle
   carries the other kind's host work and its wait for the GPU (on the H200
@@ -44,30 +49,31 @@ the target's tokens (greedy) or its distribution (sampled).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
-ALPHA = 0.2  # weight of a new step-time measurement in its moving mean
+COST_SAMPLES = 5  # a kind's cost: the lower median of its last this many timed steps
 # Weight of one row in a position's acceptance mean (a step whose n rows
 # verified the position weighs 1 - (1 - ROW_ALPHA)**n): a sampled row emits 1 token or many, so
 # at batch 1 a mean over single steps swung across the break-even point
 # and the policy fell back to autoregressive steps for 16 at a time.
 ROW_ALPHA = 0.02
-PROBE_EVERY = 16  # steps between two probes of a kind with more drafts than the winner's
-# Steps between two probes of a kind with fewer drafts (autoregressive
-# steps): rarer, since at batch 1 an autoregressive step gives up ~2/3 of
-# a step's tokens.
+PROBE_EVERY = 16  # steps at least between two probes of a kind with more drafts than the winner's
+# The same for a kind with fewer drafts (autoregressive steps): rarer,
+# since at batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
 AR_PROBE_EVERY = 64
 # A probe's steps in a row: its first follows the other kind and its last
 # launches it, so only the steps between are measured (on the H100 at c=8
 # T=1, two-step probes priced AR steps at 2.45 ms where they ran at 1.46).
 PROBE_STEPS = 3
-# A probe of the losing kind costs what that kind loses: the further the
-# estimate is from break-even, the rarer the probes, by the square of the
-# winner's advantage, up to this many steps apart (on the H200 at c=64 T=1,
-# where a speculative step emitted 3x fewer tokens a second, spec probes
-# every 16 steps cost 13 % of the throughput).
-MAX_PROBE_EVERY = 256
+# A probe of the losing kind costs what that kind loses: probes of each
+# losing kind are spaced to cost at most this share of the throughput (on
+# the H200 at c=64 T=1, where a speculative step emitted 3x fewer tokens a
+# second, spec probes every 16 steps cost 13 %; at c=32 T=1 whole-block
+# probes spaced by the square of their loss still cost ~2.5 %) ...
+PROBE_BUDGET = 0.004
+MAX_PROBE_EVERY = 512  # ... and come at least this often
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
 
 
@@ -89,6 +95,7 @@ class SpecPolicy:
     # the moving means were made of: bench/concurrency_sweep.py reports it
     # beside the cycles' own costs).
     measured: dict[tuple[int, int], list] = field(default_factory=dict)
+    recent: dict[tuple[int, int], deque] = field(default_factory=dict)  # the last COST_SAMPLES timed steps
 
     @cached_property
     def options(self) -> tuple[int, ...]:
@@ -144,14 +151,9 @@ class SpecPolicy:
             key = (n_padded, drafts)
             m = self.measured.setdefault(key, [0, 0.0])
             m[0], m[1] = m[0] + 1, m[1] + seconds
-            old = self.cost.get(key)
-            # A measurement far below the mean replaces it: an overestimated
-            # kind is chosen (and measured) only by the rare probes, so one
-            # slow first step (a graph launched cold, a busy host) would
-            # otherwise keep it off for hundreds of steps; an underestimate
-            # corrects itself, since that kind runs and is measured.
-            fresh = old is None or seconds < old / 2
-            self.cost[key] = seconds if fresh else (1 - ALPHA) * old + ALPHA * seconds
+            recent = self.recent.setdefault(key, deque(maxlen=COST_SAMPLES))
+            recent.append(seconds)
+            self.cost[key] = sorted(recent)[(len(recent) - 1) // 2]
         if drafts and rows:
             self._observe_acceptance(self._shape(kind, drafts), rows)
 
@@ -199,8 +201,11 @@ class SpecPolicy:
 
 def probe_every(base: int, advantage: float) -> int:
     """Steps between probes of the losing kind when the winner emits
-    ``advantage`` times its tokens a second."""
-    return int(min(MAX_PROBE_EVERY, base * max(1.0, advantage) ** 2))
+    ``advantage`` times its tokens a second: a probe's ``PROBE_STEPS`` each
+    give up ``1 - 1/advantage`` of a step, spread to cost ``PROBE_BUDGET``,
+    ``base`` steps apart at least, ``MAX_PROBE_EVERY`` at most."""
+    loss = PROBE_STEPS * (1 - 1 / max(1.0, advantage))
+    return int(min(MAX_PROBE_EVERY, max(base, loss / PROBE_BUDGET)))
 
 
 def step_key(n: int, drafts: int, full: int) -> str:

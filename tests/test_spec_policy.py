@@ -11,7 +11,8 @@ from factories import make_models
 from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
 from specray.async_decode import AsyncSteps, InflightStep
-from specray.spec_policy import AR_PROBE_EVERY, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, SpecPolicy, probe_every
+from specray.spec_policy import (AR_PROBE_EVERY, COST_SAMPLES, MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_EVERY, PROBE_STEPS,
+                                 SpecPolicy, probe_every)
 
 def rows_of(tokens: float, n: int = 50) -> list[tuple[int, int]]:
     """``n`` rows (drafts accepted, 15 verified) that emit ``tokens`` a row on average."""
@@ -49,10 +50,31 @@ def test_one_slow_first_measurement_does_not_keep_speculation_off():
     p.observe(2, 15, 0.0016, "greedy", rows_of(2.9))  # the next probe finds what such a step costs
     assert p.cost[(2, 15)] == 0.0016
     assert p.choose(2, "greedy")  # 2.9 tokens in 1.6 ms beat 1 in 0.94 ms
-    p.observe(2, 15, 0.0024, "greedy", rows_of(2.9))  # ordinary noise is averaged, not taken whole
-    assert p.cost[(2, 15)] == pytest.approx(0.8 * 0.0016 + 0.2 * 0.0024)
-    # what the means were made of: every timed step, unweighted
+    p.observe(2, 15, 0.0024, "greedy", rows_of(2.9))  # the cost is the lower median of the last steps
+    assert p.cost[(2, 15)] == 0.0024
+    # what the medians were made of: every timed step, unweighted
     assert p.snapshot()["measured"] == {"2a": [1, 0.00094], "2s": [3, pytest.approx(0.0116 + 0.0016 + 0.0024)]}
+
+
+def test_a_slow_probe_does_not_move_a_kinds_cost_and_a_changed_cost_is_followed():
+    """A losing kind is timed only by its probes: a cycle from the wall
+    time's tail (a host busy with other work) must not price it out for
+    hundreds of steps, as a moving mean did; a cost that really changed
+    takes over once it is the median of the last COST_SAMPLES."""
+    p = SpecPolicy(block_size=16)
+    for _ in range(COST_SAMPLES):
+        p.observe(64, 0, 0.0015, "sampled")
+    p.observe(64, 0, 0.0060, "sampled")  # one slow cycle: 4x
+    assert p.cost[(64, 0)] == 0.0015
+    p.observe(64, 0, 0.0060, "sampled")
+    assert p.cost[(64, 0)] == 0.0015
+    p.observe(64, 0, 0.0030, "sampled")  # the step now costs 3 ms: 3 of the last 5 at 3 ms or more
+    assert p.cost[(64, 0)] == 0.0030
+    # the choice follows: 1.7 tokens a row in 2 ms against 1 in 1.5 ms speculates, against 1 in 3 ms too
+    p.observe(64, 15, 0.0020, "sampled", rows_of(1.7))
+    for _ in range(COST_SAMPLES):
+        p.observe(64, 0, 0.0015, "sampled")
+    assert p.choose(64, "sampled") == 15
 
 
 def test_policy_probes_autoregressive_steps_while_speculating():
@@ -104,13 +126,20 @@ def test_policy_probes_while_autoregressive():
 
 def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
     assert probe_every(PROBE_EVERY, 1.0) == PROBE_EVERY  # near break-even: the base cadence
-    assert probe_every(PROBE_EVERY, 2.0) == 4 * PROBE_EVERY
+    assert probe_every(PROBE_EVERY, 1.01) == PROBE_EVERY
+    # a probe's PROBE_STEPS steps each give up half a step: spaced to cost PROBE_BUDGET
+    assert probe_every(PROBE_EVERY, 2.0) == int(PROBE_STEPS * 0.5 / PROBE_BUDGET) > 4 * PROBE_EVERY
     assert probe_every(AR_PROBE_EVERY, 10.0) == MAX_PROBE_EVERY
+    for adv in (1.2, 1.5, 2.0, 3.0):  # what probes cost, where the budget sets the spacing
+        every = probe_every(PROBE_EVERY, adv)
+        assert PROBE_STEPS * (1 - 1 / adv) / every == pytest.approx(PROBE_BUDGET, rel=0.02)
     p = SpecPolicy(block_size=16)
     p.observe(8, 15, 0.002, "greedy", rows_of(1.9))  # 1.9 tokens in 2 ms against 1 in 1 ms: AR, by 1.05x
     p.observe(8, 0, 0.001, "greedy")
-    picks = [p.choose(8, "greedy") for _ in range(PROBE_EVERY + 4)]
-    assert picks.index(15) == probe_every(PROBE_EVERY, 1 / 0.95) == 17
+    every = probe_every(PROBE_EVERY, 1 / 0.95)
+    assert every == 37  # 3 steps at 5 % lost, spread to cost 0.4 %
+    picks = [p.choose(8, "greedy") for _ in range(every + 4)]
+    assert picks.index(15) == every
 
 
 def test_a_step_after_another_kind_is_not_timed():
@@ -168,8 +197,8 @@ def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
     p.observe(1, 15, 0.00125, "sampled", [(0, 15)] * 9 + [(1, 15)])  # sampled rows accept little: 1.1 tokens
     assert p.choose(1, "sampled") == 0
     # the losing shorter chain is probed too, and a probe holds its kind
-    picks = [p.choose(32, "greedy") for _ in range(300)]
-    assert {15, 3, 0} <= set(picks) and picks.count(7) > 240
+    picks = [p.choose(32, "greedy") for _ in range(1000)]
+    assert {15, 3, 0} <= set(picks) and picks.count(7) > 900
     snap = p.snapshot()
     assert snap["step_ms"]["32s7"] == 6.5 and snap["step_ms"]["32s"] == 12.0 and snap["step_ms"]["32a"] == 3.5
     # where the whole block is a draft tree, the shorter chains' acceptance is their own
