@@ -71,7 +71,7 @@ PROBE_STEPS = 3
 # losing kind are spaced to cost at most this share of the throughput (on
 # the H200 at c=64 T=1, where a speculative step emitted 3x fewer tokens a
 # second, spec probes every 16 steps cost 13 %; at c=32 T=1 whole-block
-# probes spaced by the square of their loss still cost ~2.5 %) ...
+# probes spaced by the square of their loss still cost ~3 %) ...
 PROBE_BUDGET = 0.004
 MAX_PROBE_EVERY = 512  # ... and come at least this often
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
@@ -92,7 +92,7 @@ class SpecPolicy:
     held: int = 0  # steps a probe still holds its kind for
     holding: int = 0  # the probe's draft count
     # The timed steps behind ``cost``: count and seconds, unweighted (what
-    # the moving means were made of: bench/concurrency_sweep.py reports it
+    # the costs were made of: bench/concurrency_sweep.py reports it
     # beside the cycles' own costs).
     measured: dict[tuple[int, int], list] = field(default_factory=dict)
     recent: dict[tuple[int, int], deque] = field(default_factory=dict)  # the last COST_SAMPLES timed steps
