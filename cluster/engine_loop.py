@@ -149,6 +149,7 @@ class EngineLoop:
         return {
             "num_steps": self.num_steps,
             "num_async_steps": self.engine.num_async_steps,
+            "chain_joins": self.engine.num_chain_joins,  # requests admitted into a running chain
             "async_wall_s": self.engine.async_wall_s,
             "async_gpu_s": self.engine.async_gpu_s,
             "step_time_s": self.step_time_s,

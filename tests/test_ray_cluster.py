@@ -81,7 +81,7 @@ def test_ray_matches_inprocess(cluster, tp, placement):
 
 
 @pytest.mark.parametrize("tp,placement,lanes", [(1, "separate", False), (2, "separate", True),
-                                               (2, "colocated", False)])
+                                               (2, "colocated", False), (1, "colocated", False)])
 def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
     """Whole-step graphs (here their eager CPU path) with the drafter and the
     TP followers in other processes: each replays its half from one host
@@ -99,6 +99,8 @@ def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         assert features["overlap"]["on"] == lanes, features
+        # requests join running chains where no other process keeps row state
+        assert features["admit_into_chain"]["on"] == (tp == 1 and placement == "colocated"), features
         for params in (greedy, sampled):
             before = llm.stats()["num_async_steps"]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)
@@ -107,6 +109,44 @@ def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
             assert all(free == cap for free, cap in stats["pools"].values())
     finally:
         llm.shutdown()
+
+
+def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
+    """At TP 1 with the drafter in rank 0's actor no other process keeps row
+    state: requests join running chains and the policy may verify shorter
+    chains, as in process (the served default's placement), and greedy
+    tokens stay the in-process engine's, seeded samples too where every
+    step verifies the whole block (a policy's AR steps draw other
+    uniforms: its sampled output is checked by distribution,
+    test_spec_policy.py); a separate drafter still cannot."""
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    settings = dict(cuda_graphs=True, async_scheduling=True, max_num_seqs=8)
+    engine = AsyncEngine.from_config(config(cluster, **settings), "ray", 1, "colocated")
+    try:
+        features = engine.stats()["features"]
+        assert features["admit_into_chain"] == {"on": True}, features
+        assert features["async_scheduling"]["on"] and "note" not in features["adaptive_speculation"], features
+        results = asyncio.run(staggered(engine, greedy))
+        assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, greedy)
+        stats = engine.stats()
+        assert stats["chain_joins"] > 0 and stats["num_async_steps"] > 10, stats
+        assert all(free == cap for free, cap in stats["pools"].values())
+    finally:
+        engine.shutdown()
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True)
+               for i, n in enumerate(MAX_TOKENS)]
+    engine = AsyncEngine.from_config(config(cluster, adaptive_speculation=False, **settings), "ray", 1, "colocated")
+    try:
+        results = asyncio.run(staggered(engine, sampled))
+        assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, sampled)
+        assert engine.stats()["chain_joins"] > 0
+    finally:
+        engine.shutdown()
+    separate = AsyncEngine.from_config(config(cluster, **settings), "ray", 1, "separate")
+    try:
+        assert not separate.stats()["features"]["admit_into_chain"]["on"]
+    finally:
+        separate.shutdown()
 
 
 def test_three_way_tensor_parallel_group(cluster, tmp_path):
