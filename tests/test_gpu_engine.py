@@ -302,8 +302,8 @@ def test_gpu_penalties_match_cpu(ckpt, async_):
 def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
     """The Ray backend's rank-0 actor with the drafter inside it (what
     ``specray serve --device cuda`` runs by default): async step graphs,
-    draft trees and the adaptive policy as in process, and the in-process
-    tokens."""
+    draft trees, the adaptive policy with its shorter chains and joins into
+    running chains as in process, and the in-process tokens."""
     pytest.importorskip("ray")
     from specray.placement import ensure_ray
 
@@ -316,7 +316,8 @@ def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
         stats = llm.stats()
         features = stats["features"]
         assert all(features[f]["on"] for f in ("cuda_graphs", "async_scheduling", "draft_tree",
-                                               "adaptive_speculation")), features
+                                               "adaptive_speculation", "admit_into_chain")), features
+        assert "note" not in features["adaptive_speculation"], features  # no process to keep shorter chains in step
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
         assert llm.stats()["num_async_steps"] > 10
     finally:
