@@ -355,9 +355,9 @@ class AsyncSteps:
         """The workers in other processes that replay halves of step graphs;
         the drafter first, so that a lost one fails a step before the TP
         followers are told to replay it. Rank 0's driver of a TP group of
-        one has none: the Ray backend at TP 1 with its drafter colocated
-        runs the in-process engine's features (shorter chains, joins),
-        which the served default had gone without."""
+        one has no followers and is no peer: the Ray backend at TP 1 with
+        its drafter colocated runs the in-process engine's features
+        (shorter chains, joins)."""
         return [w for w in (self.drafter, self.target) if hasattr(w, "async_step") and getattr(w, "followers", True)]
 
     def forget_step_graph_state(self) -> None:
