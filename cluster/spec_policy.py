@@ -35,7 +35,8 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   probed now and then, each at a cost of at most ``PROBE_BUDGET`` of the
   throughput (``probe_every``): a kind with more drafts than the winner's
   at least ``PROBE_EVERY`` steps apart, one with fewer (autoregressive
-  steps) ``AR_PROBE_EVERY``. A probe is ``PROBE_STEPS`` steps in a row,
+  steps) ``AR_PROBE_EVERY``, and at those base cadences while a cost has
+  fewer than ``CONFIRM`` timed steps. A probe is ``PROBE_STEPS`` steps in a row,
   and the engine measures no step whose kind or batch size differs from
   the step applied before it or the step launched beside it: such a cycle
   carries the other kind's host work and its wait for the GPU (on the H200
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 COST_SAMPLES = 5  # a kind's cost: the lower median of its last this many timed steps
+CONFIRM = 3  # a losing kind's cost is probed at the base cadence until this many steps are timed
 # Weight of one row in a position's acceptance mean (a step whose n rows
 # verified the position weighs 1 - (1 - ROW_ALPHA)**n): a sampled row emits 1 token or many, so
 # at batch 1 a mean over single steps swung across the break-even point
@@ -137,8 +139,14 @@ class SpecPolicy:
         # their costs), the rarer the more they lose; steps with more drafts
         # than the winner's more often than those with fewer, since at
         # batch 1 an autoregressive step gives up ~2/3 of a step's tokens.
-        due = [d for d in self.options if d != best and
-               self.since.get(d, 0) >= probe_every(PROBE_EVERY if d > best else AR_PROBE_EVERY, rate[best] / rate[d])]
+        # A cost from fewer than CONFIRM timed steps is probed at the base
+        # cadence: its first step ran where the batch size first came, and a
+        # cold reading of a loser would stand until its rare probes.
+        def gap(d: int) -> int:
+            base = PROBE_EVERY if d > best else AR_PROBE_EVERY
+            return base if len(self.recent.get((n, d), ())) < CONFIRM else probe_every(base, rate[best] / rate[d])
+
+        due = [d for d in self.options if d != best and self.since.get(d, 0) >= gap(d)]
         if due:
             return max(due, key=rate.get), True
         return best, False

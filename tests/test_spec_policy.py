@@ -11,7 +11,7 @@ from factories import make_models
 from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
 from specray.async_decode import AsyncSteps, InflightStep
-from specray.spec_policy import (AR_PROBE_EVERY, COST_SAMPLES, MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_EVERY, PROBE_STEPS,
+from specray.spec_policy import (AR_PROBE_EVERY, CONFIRM, COST_SAMPLES, MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_EVERY, PROBE_STEPS,
                                  SpecPolicy, probe_every)
 
 def rows_of(tokens: float, n: int = 50) -> list[tuple[int, int]]:
@@ -81,12 +81,39 @@ def test_policy_probes_autoregressive_steps_while_speculating():
     p = SpecPolicy(block_size=16)
     p.observe(16, 15, 0.0027, "greedy", rows_of(2.9))
     p.observe(16, 0, 0.0023, "greedy")  # measured cold: an autoregressive step costs less
+    # a cost from one timed step is confirmed at the base cadence, not the budget's
     every = probe_every(AR_PROBE_EVERY, 2.9 * 0.0023 / 0.0027)  # speculation's advantage: 2.47x
-    picks = [p.choose(16, "greedy") for _ in range(2 * (every + PROBE_STEPS))]
-    assert picks == ([15] * every + [0] * PROBE_STEPS) * 2  # a probe is steps in a row
+    assert every > AR_PROBE_EVERY
+    picks = [p.choose(16, "greedy") for _ in range(AR_PROBE_EVERY + PROBE_STEPS)]
+    assert picks == [15] * AR_PROBE_EVERY + [0] * PROBE_STEPS  # a probe is steps in a row
     # the probe finds the cheaper autoregressive step, and the policy follows it
     p.observe(16, 0, 0.0009, "greedy")
     assert not p.choose(16, "greedy")
+
+
+def test_a_confirmed_cost_is_probed_at_the_budgets_spacing():
+    p = SpecPolicy(block_size=16)
+    p.observe(16, 15, 0.0027, "greedy", rows_of(2.9))
+    for _ in range(CONFIRM):
+        p.observe(16, 0, 0.0023, "greedy")
+    every = probe_every(AR_PROBE_EVERY, 2.9 * 0.0023 / 0.0027)
+    picks = [p.choose(16, "greedy") for _ in range(2 * (every + PROBE_STEPS))]
+    assert picks == ([15] * every + [0] * PROBE_STEPS) * 2
+
+
+def test_a_cold_first_cost_of_the_losing_kind_is_confirmed_soon():
+    """A kind's first timed step runs where its batch size first came (on
+    the H100 the AR cost at padded 64 stood at 2.5-3.1 ms where AR cycles
+    ran at 1.3-1.6: the budget probes such a loser every ~400 steps):
+    until CONFIRM steps are timed it is probed at the base cadence."""
+    p = SpecPolicy(block_size=16)
+    p.observe(64, 15, 0.0025, "sampled", rows_of(1.75))
+    p.observe(64, 0, 0.0030, "sampled")  # cold: 1.75 tokens in 2.5 ms beat 1 in 3 ms by 2.1x
+    picks = [p.choose(64, "sampled") for _ in range(AR_PROBE_EVERY + PROBE_STEPS)]
+    assert picks[AR_PROBE_EVERY:] == [0] * PROBE_STEPS and 0 not in picks[:AR_PROBE_EVERY]
+    p.observe(64, 0, 0.0013, "sampled")  # the probe's timed step: the lower median of two
+    assert p.cost[(64, 0)] == 0.0013
+    assert not p.choose(64, "sampled")  # 1 token in 1.3 ms beats 1.75 in 2.5
 
 
 def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
@@ -111,7 +138,8 @@ def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
 
 def test_policy_probes_while_autoregressive():
     p = SpecPolicy(block_size=16)
-    p.observe(4, 15, 0.01, "greedy", rows_of(1.1))
+    for _ in range(CONFIRM):  # a confirmed cost (one from fewer steps is probed at the base cadence)
+        p.observe(4, 15, 0.01, "greedy", rows_of(1.1))
     p.observe(4, 0, 0.001, "greedy")
     every = probe_every(PROBE_EVERY, 1 / (1.1 * 0.001 / 0.01))  # speculation 9x slower: rare probes
     assert every == MAX_PROBE_EVERY
@@ -134,7 +162,8 @@ def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
         every = probe_every(PROBE_EVERY, adv)
         assert PROBE_STEPS * (1 - 1 / adv) / every == pytest.approx(PROBE_BUDGET, rel=0.02)
     p = SpecPolicy(block_size=16)
-    p.observe(8, 15, 0.002, "greedy", rows_of(1.9))  # 1.9 tokens in 2 ms against 1 in 1 ms: AR, by 1.05x
+    for _ in range(CONFIRM):
+        p.observe(8, 15, 0.002, "greedy", rows_of(1.9))  # 1.9 tokens in 2 ms against 1 in 1 ms: AR, by 1.05x
     p.observe(8, 0, 0.001, "greedy")
     every = probe_every(PROBE_EVERY, 1 / 0.95)
     assert every == 37  # 3 steps at 5 % lost, spread to cost 0.4 %
@@ -188,7 +217,8 @@ def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
     rows = [(a, 15) for a in range(10) for _ in range(10)]
     for d, ms in ((15, 12.0), (7, 6.5), (3, 4.6), (0, 3.5)):  # batch 32
         assert p.choose(32, "greedy") == d  # each kind is measured first, the whole block first
-        p.observe(32, d, ms / 1000, "greedy", rows if d else None)
+        for _ in range(CONFIRM):  # (and confirmed: the probes' spacing below is the budget's)
+            p.observe(32, d, ms / 1000, "greedy", rows if d else None)
     assert p.tokens("greedy", 15) == pytest.approx(5.5) and p.tokens("greedy", 7) == pytest.approx(1 + 0.9 + 0.8 + 0.7 + 0.6 + 0.5 + 0.4 + 0.3)
     assert p.choose(32, "greedy") == 7  # 5.2 tokens in 6.5 ms beat 5.5 in 12 and 3.4 in 4.6
     for d, ms in ((15, 1.25), (7, 1.22), (3, 1.2), (0, 1.0)):  # batch 1
