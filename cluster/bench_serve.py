@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--drafter-modes", nargs="+", choices=["on", "off"], default=["on", "off"],
                    help="speculative (the drafter) and/or autoregressive (--no-drafter, a server of its own)")
     w.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    w.add_argument("--requests-per-client", type=int,
+                   help="each point sends at least this many requests per client, cycling through the set, so "
+                        "that the first wave (all clients at once) and the last (clients running out) are a "
+                        "small part of its time (default: 8 on CUDA, else 1)")
     w.add_argument("--warmup-requests", type=int,
                    help="untimed requests before each point, at its concurrency and temperature (default: on "
                         "CUDA the whole workload, so every graph size it meets is captured first; else one "
@@ -78,7 +82,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     """Every flag checked before a model loads or a server starts."""
     if not Path(args.prompts).is_file():
         p.error(f"--prompts {args.prompts}: no such file (the default is relative to the repository root)")
-    for name in ("limit", "num_requests", "max_tokens", "max_num_seqs", "max_errors"):
+    for name in ("limit", "num_requests", "max_tokens", "max_num_seqs", "max_errors", "requests_per_client"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
@@ -173,6 +177,10 @@ class Sweep:
         self.points, self.outputs = [], {}
         self.warmup = args.warmup_requests
 
+    def timed_n(self, concurrency: int) -> int:
+        per_client = self.args.requests_per_client or (8 if str(self.args.device).startswith("cuda") else 1)
+        return max(len(self.jobs), per_client * concurrency)
+
     def warm_n(self, concurrency: int) -> int:
         if self.warmup is not None:
             return self.warmup
@@ -187,16 +195,17 @@ class Sweep:
             send = make_send(temp)
             for conc in self.args.concurrency:
                 if hung:
-                    run = LoopResult([], 0.0, len(self.jobs), f"not run: {hung}")
+                    run = LoopResult([], 0.0, self.timed_n(conc), f"not run: {hung}")
                 else:
                     run = LoopResult([], 0.0)
                     if self.warm_n(conc):
                         warm = await closed_loop(send, cycle(self.jobs, self.warm_n(conc)), conc, self.args.max_errors)
                         if warm.aborted:
-                            run = LoopResult([], 0.0, len(self.jobs), f"warm-up {warm.aborted}")
+                            run = LoopResult([], 0.0, self.timed_n(conc), f"warm-up {warm.aborted}")
                             hung = run.aborted if warm.timed_out else None
                     if not run.aborted:
-                        run = await closed_loop(send, self.jobs, conc, self.args.max_errors)
+                        run = await closed_loop(send, cycle(self.jobs, self.timed_n(conc)), conc,
+                                                self.args.max_errors)
                         hung = run.aborted if run.timed_out else None
                 p = summarize(path, drafter, temp, conc, run.results, run.wall_s, self.args.save_outputs,
                               run.skipped, run.aborted)
@@ -281,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args, jobs)
     engines, failures = [], []
     modes = [(m, drafter_dir if m == "on" else None) for m in args.drafter_modes]
-    print(f"specray bench serve: {len(jobs)} requests a point, max_tokens {args.max_tokens}, "
+    print(f"specray bench serve: {len(jobs)} prompts, requests a point "
+          f"{ {c: sweep.timed_n(c) for c in args.concurrency} }, max_tokens {args.max_tokens}, "
           f"concurrency {args.concurrency}, T {args.temperatures}, drafter {args.drafter_modes}, "
           f"paths {args.paths}", flush=True)
     # HTTP first: each server is a process tree that takes the device's
@@ -313,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "machine": machine_info(args.device),
         "settings": {"target": target, "drafter": drafter_dir, "device": args.device, "prompts": args.prompts,
-                     "limit": args.limit, "requests_per_point": len(jobs), "max_tokens": args.max_tokens,
+                     "limit": args.limit, "requests_per_point": {c: sweep.timed_n(c) for c in args.concurrency},
+                     "max_tokens": args.max_tokens,
                      "temperatures": args.temperatures, "top_p": args.top_p, "seed": args.seed,
                      "concurrency": args.concurrency, "drafter_modes": args.drafter_modes, "paths": args.paths,
                      "warmup_requests": {c: sweep.warm_n(c) for c in args.concurrency},
@@ -328,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     if sweep.points:
         plot(sweep.points, str(plot_path), f"specray bench serve: {Path(target).name}, {args.device}, "
-             f"{Path(args.prompts).name} x{len(jobs)}, max_tokens {args.max_tokens}")
+             f"{Path(args.prompts).name} ({len(jobs)} prompts), max_tokens {args.max_tokens}")
     print(table(sweep.points, rat))
     print(f"specray bench serve: wrote {out}" + (f" and {plot_path}" if sweep.points else "")
           + f" in {report['elapsed_s']:.0f} s", flush=True)
