@@ -183,7 +183,8 @@ def test_bench_serve_end_to_end_on_the_embedded_pair(tmp_path):
 
     out = tmp_path / "serve.json"
     argv = ["--limit", "3", "--max-tokens", "8", "--concurrency", "1", "2", "--temperatures", "0",
-            "--drafter-modes", "on", "--warmup-requests", "0", "--requests-per-client", "2", "--save-outputs", "--out", str(out), "--note", "test"]
+            "--drafter-modes", "on", "--warmup-requests", "0", "--requests-per-client", "2", "--save-outputs",
+            "--out", str(out), "--note", "test"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert (tmp_path / "serve.png").stat().st_size > 0
