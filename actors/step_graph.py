@@ -100,7 +100,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         assert remote is None, "autoregressive steps of a separate drafter are not built"
         cfg = dataclasses.replace(cfg, block_size=1)
     elif block_size is not None:
-        assert remote is None and tp is None and tree is None, "shorter chains are rank 0's own graphs, chains only"
+        assert remote is None and tree is None, "shorter chains: chains, the drafter in rank 0's process"
         cfg = dataclasses.replace(cfg, block_size=block_size)
     B = cfg.block_size
     oracle = getattr(drafter, "oracle", None) if local and speculate else None  # oracle.py

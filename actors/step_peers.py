@@ -52,20 +52,21 @@ class StepWord:
     kind: int  # FIRST, CHAINED or FLUSH
     spec: bool = True  # a speculative step (else autoregressive: one row a request)
     lane: int = 0  # the micro-batch: its own graphs and state on every side
+    block: int = 0  # a shorter chain's rows a request (0: the whole block)
 
 
 def encode_control(w: StepWord, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     present = [name for name in UPLOADS if name in inputs]
-    meta = torch.tensor([w.n, MODES.index(w.mode), int(w.tree), w.kind, int(w.spec), w.lane] +
+    meta = torch.tensor([w.n, MODES.index(w.mode), int(w.tree), w.kind, int(w.spec), w.lane, w.block] +
                         [UPLOADS.index(k) for k in present])
     return [meta] + [inputs[k].cpu() for k in present]
 
 
 def decode_control(ts: list[torch.Tensor]) -> tuple[StepWord, dict[str, torch.Tensor]]:
     meta = ts[0].tolist()
-    n, mode, tree, kind, spec, lane = meta[:6]
-    word = StepWord(n, MODES[mode], bool(tree), kind, bool(spec), lane)
-    return word, {UPLOADS[i]: t for i, t in zip(meta[6:], ts[1:])}
+    n, mode, tree, kind, spec, lane, block = meta[:7]
+    word = StepWord(n, MODES[mode], bool(tree), kind, bool(spec), lane, block)
+    return word, {UPLOADS[i]: t for i, t in zip(meta[7:], ts[1:])}
 
 
 class TPLink:
@@ -91,8 +92,8 @@ def build_follower_graphs(target, cfg: StepSettings, tree: bool, link: TPLink, s
                           rows: int | None = None) -> DecodeGraphs:
     """A TP follower's replay of rank 0's step: its shard of the verify
     forward (and a draft tree's K/V moves), ``rows`` a request (the block,
-    or 1 for an autoregressive step). Its one input is the block tables,
-    uploaded when they change."""
+    a shorter chain's, or 1 for an autoregressive step). Its one input is
+    the block tables, uploaded when they change."""
     dev, B = target.device, rows or cfg.block_size
     bufs = {"target_tables": shared.setdefault(
         "target_tables", torch.zeros(cfg.max_seqs, cfg.width, dtype=torch.int32, device=dev))}

@@ -391,10 +391,11 @@ class TargetRank:
                 continue
             if cmd == CMD_ASYNC:
                 w, inputs = decode_control(ts)
-                key = (w.tree, w.spec, w.lane)
+                key = (w.tree, w.spec, w.block, w.lane)
                 if key not in graphs:
+                    rows = (w.block or None) if w.spec else 1
                     graphs[key] = build_follower_graphs(self.worker, settings, w.tree, TPLink(self.tp_group),
-                                                        shared.setdefault(w.lane, {}), rows=None if w.spec else 1)
+                                                        shared.setdefault(w.lane, {}), rows=rows)
                 with torch.inference_mode():
                     graphs[key].run(w.n, inputs)
             else:

@@ -124,7 +124,7 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
         inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
         uploads = None
-    core.announce_step(len(requests), mode, chained, inputs, spec, lane)  # (shorter chains: no peers)
+    core.announce_step(len(requests), mode, chained, inputs, spec, lane, block)
     inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}
     if uploads is not None:
         write_history(graphs, inputs, uploads, first_tokens)
@@ -323,9 +323,9 @@ class AsyncSteps:
         """Draft counts of the shorter chains the policy may verify: the
         block halved while it keeps ``shortest_verify_block`` rows. Chains
         (where the whole block holds a draft tree, the shorter ones are
-        chains), in rank 0's own graphs (a drafter or TP followers in other
-        processes would need their halves at each length: not built)."""
-        if self._peers():
+        chains); TP followers replay each length's verify shard, a drafter
+        in another process would need its half at each length (not built)."""
+        if not getattr(self.drafter, "local_model", False):
             return ()
         out, rows = [], self.block_size // 2
         while rows >= max(2, self.config.shortest_verify_block):
@@ -340,13 +340,14 @@ class AsyncSteps:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
 
     def announce_step(self, n: int, mode: str, chained: bool, inputs: dict, spec: bool = True,
-                      lane: int = 0) -> None:
+                      lane: int = 0, block: int | None = None) -> None:
         """The host message that has the drafter and the TP followers in
-        other processes replay their halves of the step about to launch."""
+        other processes replay their halves of the step about to launch
+        (``block``: a shorter chain's rows a request, a chain)."""
         from specray.actors.step_peers import CHAINED, FIRST, StepWord
 
-        word = StepWord(n, mode, self.tree is not None and spec, CHAINED if chained else FIRST,
-                        spec, lane)
+        word = StepWord(n, mode, self.tree is not None and spec and not block, CHAINED if chained else FIRST,
+                        spec, lane, block or 0)
         for w in self._peers():
             with drafter_part("the step's word") if w is self.drafter else nullcontext():
                 w.async_step(word, inputs)

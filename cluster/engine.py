@@ -43,7 +43,7 @@ from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device
 from specray.step_buffers import HistorySlots, ResultBuffers
 from specray.scheduler import Scheduler
-from specray.spec_policy import SpecPolicy, step_key
+from specray.spec_policy import SpecPolicy, scripted, step_key
 from specray.step_wait import result_wait
 from specray.step_batch import StepBatches
 from specray.step_rows import VerifyRows
@@ -132,6 +132,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.tree = self._tree_universe()
         self.policy = SpecPolicy(self.block_size, self._shorter_drafts(), tree=self.tree is not None) \
             if self._adaptive_unsupported() is None else None
+        if self.policy is not None and (config.extra or {}).get("policy_turns"):
+            self.policy.choose = scripted(self.policy, config.extra["policy_turns"])
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
         self._join_next = 0  # requests at the head of the queue _can_chain found may join the running chain
         self.join_wait = JoinWait(chain_admit.JOIN_MAX, config.join_wait_steps, config.join_batch)  # when they join
@@ -380,8 +382,6 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             out["adaptive_speculation"] = feature(self.policy is not None, self._adaptive_unsupported())
             if self.policy is not None:  # the draft counts a step may verify (0: autoregressive)
                 out["adaptive_speculation"]["drafts"] = list(self.policy.options)
-                if self._peers():
-                    out["adaptive_speculation"]["note"] = "no shorter chains: they need rank 0's own graphs (TP 1)"
         out["overlap"] = feature(self._overlap_unsupported() is None, self._overlap_unsupported())
         if out["overlap"]["on"]:
             out["overlap"]["min_batch"] = self.config.overlap_min_batch

@@ -50,6 +50,7 @@ the target's tokens (greedy) or its distribution (sampled).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -223,3 +224,20 @@ def step_key(n: int, drafts: int, full: int) -> str:
 
 def _kind(kind: str) -> str:
     return "greedy" if kind == "greedy" else "sampled"
+
+
+def scripted(policy: SpecPolicy, turns: list[int]):
+    """A test hook, ``EngineConfig(extra={"policy_turns": [7, 3, 0]})``: a
+    ``choose`` that takes the draft counts in turn, whatever was measured,
+    for engines in processes a test cannot patch (Ray actors)."""
+    bad = [d for d in turns if d not in policy.options]
+    if bad:
+        raise ValueError(f"policy_turns {bad} are not among the draft counts a step may verify {policy.options}")
+    cycle = itertools.cycle(turns)
+
+    def choose(n_padded: int, kind: str) -> int:
+        drafts = next(cycle)
+        policy.choices[drafts] = policy.choices.get(drafts, 0) + 1
+        return drafts
+
+    return choose

@@ -149,6 +149,31 @@ def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
         separate.shutdown()
 
 
+def test_tp_followers_replay_every_kind_of_step_the_policy_chooses(cluster):
+    """At TP 2 with the drafter in rank 0's actor the policy may verify the
+    whole block (a draft tree), a shorter chain or no draft at all; each
+    follower replays its shard of each (forced in turn here): greedy tokens
+    stay the in-process engine's."""
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    settings = dict(cuda_graphs=True, async_scheduling=True, max_num_seqs=8, extra={"policy_turns": [7, 3, 3, 0]})
+    engine = AsyncEngine.from_config(config(cluster, **settings), "ray", 2, "colocated")
+    try:
+        features = engine.stats()["features"]
+        assert features["adaptive_speculation"] == {"on": True, "drafts": [7, 3, 0]}, features
+        assert features["draft_tree"]["on"], features
+        results = asyncio.run(staggered(engine, greedy))
+        finals = [chunks[-1][1] for chunks in results]
+        assert [o.token_ids for o in finals] == reference(cluster, greedy)
+        stats = engine.stats()
+        taken = stats["speculation"]["steps_by_drafts"]
+        assert stats["num_async_steps"] > 10 and {"0", "3", "7"} <= set(taken), stats
+        # a step verified 7, 3, 3 and 0 drafts in turn: whole blocks alone would verify ~7 a step
+        steps = sum(len(o.metrics.acceptance_lengths) for o in finals)
+        assert 0 < sum(o.metrics.num_draft_tokens for o in finals) < 0.6 * 7 * steps, taken
+    finally:
+        engine.shutdown()
+
+
 def test_three_way_tensor_parallel_group(cluster, tmp_path):
     """An odd group size (what the default SmolLM2, 9 heads, needs for TP > 1):
     every rank's shard, the plan broadcast and the all-reduces still give
