@@ -412,9 +412,9 @@ class AsyncSteps:
 
     def _rows_may_finish(self) -> bool:
         """Whether a chain may run on past finished rows and admit requests
-        into finished rows' places: one lane, rank 0's own graphs (a drafter
-        or TP followers in other processes keep row state of their own,
-        which no padding or joining write reaches)."""
+        into finished rows' places: one lane, and no drafter in another
+        process (it keeps row state of its own, which no padding or joining
+        write reaches; TP followers keep none)."""
         return self._join_unsupported() is None and len(self._inflight) <= 1
 
     def _finished_rows_ride(self, rows: int, live: int, joins: int) -> bool:

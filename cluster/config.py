@@ -127,8 +127,8 @@ class EngineConfig:
     # finished row's place (or as a row more) instead of draining it: its
     # prompt is prefilled alone behind the step in flight, its row's state
     # written on the device (chain_admit.py); finished rows ride as padding
-    # meanwhile. One lane and rank 0's own graphs only (a drafter or TP
-    # followers in other processes keep row state of their own).
+    # meanwhile. One lane, and no drafter in another process (it keeps row
+    # state of its own; TP followers keep none).
     admit_into_chain: bool = True
     # When waiting requests join a running chain (join_wait.py): None waits,
     # finished rows riding meanwhile, for the batch that costs least given
@@ -144,8 +144,8 @@ class EngineConfig:
     # where async steps run with the drafter in rank 0's process.
     adaptive_speculation: bool | None = None
     # The adaptive policy may also verify chains of the drafter's block
-    # halved while it keeps this many rows (16 -> 8, 4; the block size: off),
-    # in rank 0's own graphs: the later drafts are the ones rejected.
+    # halved while it keeps this many rows (16 -> 8, 4; the block size: off):
+    # the later drafts are the ones rejected.
     shortest_verify_block: int = 4
     # A drafter in another process that does not answer a message within
     # this many seconds is taken for lost: steps go on without it and a new

@@ -99,8 +99,8 @@ def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         assert features["overlap"]["on"] == lanes, features
-        # requests join running chains where no other process keeps row state
-        assert features["admit_into_chain"]["on"] == (tp == 1 and placement == "colocated"), features
+        # requests join running chains where no drafter in another process keeps row state
+        assert features["admit_into_chain"]["on"] == (placement == "colocated"), features
         for params in (greedy, sampled):
             before = llm.stats()["num_async_steps"]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)
@@ -152,8 +152,11 @@ def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
 def test_tp_followers_replay_every_kind_of_step_the_policy_chooses(cluster):
     """At TP 2 with the drafter in rank 0's actor the policy may verify the
     whole block (a draft tree), a shorter chain or no draft at all; each
-    follower replays its shard of each (forced in turn here): greedy tokens
-    stay the in-process engine's."""
+    follower replays its shard of each (forced in turn here), and requests
+    arriving at different times join the running chain (the followers keep
+    no row state: the joined prompts' prefill and the new block tables
+    reach them as any step's do): greedy tokens stay the in-process
+    engine's, and an autoregressive engine's at TP 2 joins too."""
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     settings = dict(cuda_graphs=True, async_scheduling=True, max_num_seqs=8, extra={"policy_turns": [7, 3, 3, 0]})
     engine = AsyncEngine.from_config(config(cluster, **settings), "ray", 2, "colocated")
@@ -170,6 +173,17 @@ def test_tp_followers_replay_every_kind_of_step_the_policy_chooses(cluster):
         # a step verified 7, 3, 3 and 0 drafts in turn: whole blocks alone would verify ~7 a step
         steps = sum(len(o.metrics.acceptance_lengths) for o in finals)
         assert 0 < sum(o.metrics.num_draft_tokens for o in finals) < 0.6 * 7 * steps, taken
+        assert features["admit_into_chain"] == {"on": True} and stats["chain_joins"] > 0, stats
+        assert all(free == cap for free, cap in stats["pools"].values())
+    finally:
+        engine.shutdown()
+    ar = EngineConfig(target=str(cluster / "t"), num_kv_blocks=300, kv_block_size=4, cuda_graphs=True,
+                      async_scheduling=True, max_num_seqs=8)
+    engine = AsyncEngine.from_config(ar, "ray", 2, "colocated")
+    try:
+        results = asyncio.run(staggered(engine, greedy))
+        assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, greedy)
+        assert engine.stats()["chain_joins"] > 0
     finally:
         engine.shutdown()
 
