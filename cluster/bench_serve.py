@@ -186,8 +186,10 @@ class Sweep:
             return self.warmup
         return len(self.jobs) if str(self.args.device).startswith("cuda") else concurrency
 
-    async def run(self, path: str, drafter: bool, make_send) -> None:
-        from specray.bench_serve_report import summarize
+    async def run(self, path: str, drafter: bool, make_send, stats) -> None:
+        """``stats``: an async callable giving the engine's stats (or None),
+        read around each timed run."""
+        from specray.bench_serve_report import engine_counters, summarize
         from specray.load_client import LoopResult, closed_loop
 
         hung = None  # a timeout: this engine's remaining points are not sent
@@ -203,18 +205,22 @@ class Sweep:
                         if warm.aborted:
                             run = LoopResult([], 0.0, self.timed_n(conc), f"warm-up {warm.aborted}")
                             hung = run.aborted if warm.timed_out else None
+                    before = None
                     if not run.aborted:
+                        before = await stats()
                         run = await closed_loop(send, cycle(self.jobs, self.timed_n(conc)), conc,
                                                 self.args.max_errors)
                         hung = run.aborted if run.timed_out else None
                 p = summarize(path, drafter, temp, conc, run.results, run.wall_s, self.args.save_outputs,
                               run.skipped, run.aborted)
                 p.load_average_1m = round(os.getloadavg()[0], 2)
+                p.engine = engine_counters(before, await stats() if before else None, run.wall_s)
                 self.points.append(p)
                 self.outputs[p.key()] = {r.id: r.token_ids for r in run.results if r.error is None}
                 print(f"  {path:<9} drafter {'on ' if drafter else 'off'} T={temp:g} c={conc}: "
                       f"{p.output_tok_s:.1f} tok/s, {p.request_throughput:.2f} req/s, TTFT p50 "
                       f"{p.ttft_p50_ms:.1f} ms, accept {p.mean_acceptance_length:.2f}, errors {p.errors}"
+                      + (f", engine busy {p.engine['busy']:.0%}" if p.engine else "")
                       + (f" ({p.error_samples[0]})" if p.error_samples else "")
                       + (f"; ABORTED: {p.aborted}" if p.aborted else ""), flush=True)
 
@@ -231,7 +237,16 @@ async def run_http(sweep: Sweep, url: str, model: str | None, api_key: str | Non
             target = HttpTarget(url, model, api_key, a.max_tokens, temp, a.top_p, a.request_timeout, a.chunk_timeout)
             return lambda job: http_request(session, target, job)
 
-        await sweep.run("http", drafter, make_send)
+        async def stats():
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            try:
+                async with session.get(f"{url}/server_info", headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    return (await r.json())["engine"] if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+                return None  # a server without it (an older one, --url): no engine counters
+
+        await sweep.run("http", drafter, make_send, stats)
 
 
 async def run_inprocess(sweep: Sweep, engine, drafter: bool) -> None:
@@ -244,7 +259,13 @@ async def run_inprocess(sweep: Sweep, engine, drafter: bool) -> None:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=temp, top_p=a.top_p)
         return lambda job: inprocess_request(engine, params, job, a.request_timeout, a.chunk_timeout)
 
-    await sweep.run("inprocess", drafter, make_send)
+    async def stats():
+        try:
+            return await asyncio.to_thread(engine.stats)
+        except Exception:  # a failed engine: its points say so, without counters
+            return None
+
+    await sweep.run("inprocess", drafter, make_send, stats)
 
 
 def machine_info(device: str) -> dict:

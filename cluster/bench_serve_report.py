@@ -19,6 +19,9 @@ DEFINITIONS = {
     "output_tok_s": "output tokens of all requests / wall seconds from the first send to the last completion",
     "output_tokens": "HTTP: the final usage chunk's completion_tokens; in process: tokens generated",
     "mean_acceptance_length": "tokens per decode step over all steps of all requests (accepted drafts + 1)",
+    "engine": "the engine's own counters over the timed run (HTTP: GET /server_info before and after): steps, "
+              "busy = time in steps / wall time, step_ms = mean step wall time, async_gpu_ms = GPU time of an "
+              "asynchronous step where timed",
 }
 
 
@@ -68,6 +71,7 @@ class Point:
     aborted: str | None = None
     error_samples: list[str] = field(default_factory=list)
     requests: list[dict] | None = None  # per request, with --save-outputs
+    engine: dict | None = None  # the engine's own counters over the timed run (engine_counters)
 
     def key(self) -> tuple:
         return self.path, self.drafter, self.temperature, self.concurrency
@@ -115,6 +119,23 @@ def summarize(path: str, drafter: bool, temperature: float, concurrency: int, re
                            "latency_ms": _ms(r.latency) if r.latency is not None else None, "error": r.error}
                           for r in sorted(results, key=lambda r: r.id)]
     return point
+
+
+def engine_counters(before: dict | None, after: dict | None, wall_s: float) -> dict | None:
+    """What the engine did over a point's timed run, from its stats
+    (``EngineLoop.stats()``) before and after: its steps, the share of the
+    run's wall time it spent in them (``busy``: below the in-process
+    engine's, it waited on the serving path for work), a step's mean wall
+    time, and its asynchronous steps' GPU time where they are timed."""
+    if not before or not after or wall_s <= 0:
+        return None
+    d = {k: after.get(k, 0) - before.get(k, 0)
+         for k in ("num_steps", "num_async_steps", "chain_joins", "step_time_s", "async_wall_s", "async_gpu_s")}
+    steps, async_steps = d["num_steps"], d["num_async_steps"]
+    return {"steps": steps, "async_steps": async_steps, "chain_joins": d["chain_joins"],
+            "busy": round(d["step_time_s"] / wall_s, 4),
+            "step_ms": round(1e3 * d["step_time_s"] / steps, 4) if steps else None,
+            "async_gpu_ms": round(1e3 * d["async_gpu_s"] / async_steps, 4) if async_steps and d["async_gpu_s"] else None}
 
 
 def _ratio(a: float, b: float) -> float | None:

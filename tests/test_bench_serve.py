@@ -132,8 +132,12 @@ def test_a_hung_engines_later_points_are_not_run():
     async def hangs(job):
         return RequestResult(job.id, start=0.0, end=1.0, error="timed out", timed_out=True)
 
-    asyncio.run(sweep.run("http", True, lambda temp: hangs))
+    async def no_stats():
+        return None
+
+    asyncio.run(sweep.run("http", True, lambda temp: hangs, no_stats))
     first, *rest = sweep.points
+    assert first.engine is None
     assert (first.num_requests, first.errors, first.skipped) == (1, 1, 2) and "timed out" in first.aborted
     assert len(rest) == 3 and all(p.aborted.startswith("not run") and p.skipped == 3 for p in rest)
 
@@ -197,6 +201,9 @@ def test_bench_serve_end_to_end_on_the_embedded_pair(tmp_path):
     for p in points.values():
         # the set once, and at c=2 two requests a client: the set cycled to 4
         assert p["num_requests"] == max(3, 2 * p["concurrency"]), p
+        # the engine's counters over the run, through /server_info for HTTP
+        e = p["engine"]
+        assert e["steps"] > 0 and 0 < e["busy"] <= 1.01 and e["step_ms"] > 0, p
         assert p["drafter"] is True and p["temperature"] == 0.0 and p["errors"] == 0
         assert p["output_tok_s"] > 0 and p["request_throughput"] > 0 and p["output_tokens"] > 0
         assert p["ttft_p50_ms"] > 0 and p["itl_p50_ms"] > 0 and p["mean_acceptance_length"] >= 1

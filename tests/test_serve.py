@@ -246,6 +246,18 @@ def test_models_and_auth(server):
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
+def test_server_info_counts_the_engines_steps(server):
+    status, _, before = server.request("GET", "/server_info")
+    assert status == 200 and before["model"] == MODEL, before
+    server.client().completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    _, _, after = server.request("GET", "/server_info")
+    assert after["engine"]["num_steps"] > before["engine"]["num_steps"]
+    assert after["engine"]["step_time_s"] > before["engine"]["step_time_s"]
+    assert "features" in after["engine"] and "pools" in after["engine"]
+    status, _, body = server.request("GET", "/server_info", key="wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
 def test_chat_streaming_equals_non_streaming(server):
     client = server.client()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]

@@ -42,7 +42,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from specray.serve import limits as L
 from specray.serve import openapi
@@ -316,6 +315,22 @@ class SpecRayServer(GrpcService):
         self.metrics.request_done("models", 200)
         return self._model_card()
 
+    @app.get("/server_info")
+    async def server_info(self, request: Request):
+        """The engine's counters (steps, their wall and GPU time, joins, the
+        policy's choices, pools): read before and after a benchmark's run,
+        they tell the engine's time from the serving path's."""
+        try:
+            self._check_http_key(request)
+            stats = await asyncio.wait_for(asyncio.to_thread(self.engine.stats), timeout=10)
+        except P.APIError as e:
+            self.metrics.request_done("server_info", e.status)
+            return _error_response(e)
+        except Exception as e:  # the engine lost or rebuilding: /health says which
+            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        self.metrics.request_done("server_info", 200)
+        return {"model": self.model_name, "engine": stats}
+
     @app.post("/v1/completions", openapi_extra=openapi.completions)
     async def completions(self, request: Request):
         return await self._serve_http(request, "completions")
@@ -331,7 +346,8 @@ class SpecRayServer(GrpcService):
         try:
             self._check_http_key(request)
             L.check_content_type(request.headers.get("content-type"))
-            body = P.parse_json(await self._read_body(request))
+            body = P.parse_json(await L.read_body(request, self.settings.max_request_bytes,
+                                                   self.settings.request_body_timeout_s))
             L.check_body(body, self.max_model_len)
             if kind == "chat":
                 req = P.parse(P.ChatCompletionRequest, body)
@@ -401,35 +417,6 @@ class SpecRayServer(GrpcService):
             return _error_response(err)
         finally:
             await shielded(release_all(leases))
-
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, within the size and time limits: a client that sends
-        its body slowly (or never) holds one of the replica's request slots,
-        which /health shares, until the timeout frees it."""
-        limit, timeout = self.settings.max_request_bytes, self.settings.request_body_timeout_s
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise P.APIError(413, f"The request body has {declared} bytes; this server takes at most {limit}.",
-                             "invalid_request_error", None, "request_too_large")
-
-        async def read() -> bytes:
-            parts, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise P.APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error",
-                                     None, "request_too_large")
-                parts.append(chunk)
-            return b"".join(parts)
-
-        try:
-            return await asyncio.wait_for(read(), timeout)
-        except asyncio.TimeoutError:
-            raise P.APIError(408, f"The request body did not arrive within {timeout:g} s.",
-                             "invalid_request_error", None, "request_timeout") from None
-        except ClientDisconnect:
-            raise P.APIError(499, "The client closed the connection before sending its body.",
-                             "invalid_request_error", None, "client_closed_request") from None
 
     async def _sse(self, writer: P.ChunkWriter, firsts, trackers, leases: list[Lease]):
         for chunk in writer.start():

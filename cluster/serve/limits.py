@@ -13,6 +13,8 @@ above what a real client sends.
 
 from __future__ import annotations
 
+import asyncio
+
 from specray.serve.protocol import APIError, bad_request
 
 MAX_MESSAGES = 2048  # OpenAI's bound
@@ -128,3 +130,34 @@ def check_grpc(request, max_model_len: int) -> None:
                           "string_above_max_length")
     if p.HasField("max_tokens"):
         check_max_tokens(p.max_tokens, max_model_len)
+
+
+async def read_body(request, limit: int, timeout: float) -> bytes:
+    """The body, within the size and time limits: a client that sends its
+    body slowly (or never) holds one of the replica's request slots, which
+    /health shares, until the timeout frees it."""
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body has {declared} bytes; this server takes at most {limit}.",
+                       "invalid_request_error", None, "request_too_large")
+
+    async def read() -> bytes:
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error",
+                               None, "request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s.",
+                       "invalid_request_error", None, "request_timeout") from None
+    except ClientDisconnect:
+        raise APIError(499, "The client closed the connection before sending its body.",
+                       "invalid_request_error", None, "client_closed_request") from None
