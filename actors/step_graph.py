@@ -88,19 +88,18 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
     its half (step_peers.py) from the same inputs. ``tp``: a ``TPLink`` to
     the followers of a target at TP > 1.
 
-    ``speculate=False`` (a local drafter): an autoregressive step of a
-    speculative engine (spec_policy.py): one row a request, no proposal, and
-    the row's context stored, so the next speculative step finds it.
-    ``block_size`` (a local drafter, no tree): a shorter chain than
-    ``cfg``'s, the drafter's block of that many rows."""
+    ``speculate=False``: an autoregressive step of a speculative engine
+    (spec_policy.py): one row a request, no proposal, and the row's context
+    stored (a remote drafter is sent the row, as after any step), so the
+    next speculative step finds it. ``block_size`` (no tree): a shorter
+    chain than ``cfg``'s, the drafter's block of that many rows."""
     dev = target.device
     local = drafter is not None
     speculative = local or remote is not None
     if not speculate:
-        assert remote is None, "autoregressive steps of a separate drafter are not built"
         cfg = dataclasses.replace(cfg, block_size=1)
     elif block_size is not None:
-        assert remote is None and tree is None, "shorter chains: chains, the drafter in rank 0's process"
+        assert tree is None, "shorter chains are chains"
         cfg = dataclasses.replace(cfg, block_size=block_size)
     B = cfg.block_size
     oracle = getattr(drafter, "oracle", None) if local and speculate else None  # oracle.py
@@ -137,7 +136,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         if local and speculate:
             with drafter_part("propose"):
                 drafted = propose(drafter, cfg, bufs, blk, st, n, sampling, tree if use_tree else None, oracle)
-        elif remote is not None:
+        elif remote is not None and speculate:
             got = drafted_buffers(n, B, use_tree, sampling != "greedy" and not use_tree, cfg.draft_top_k, dev)
             with remote_part("receiving its proposal"):
                 remote.recv_raw(got)

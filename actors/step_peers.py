@@ -8,8 +8,9 @@ the one host message per step that tells them to replay it.
 * A **drafter in its own process** mirrors the chain's state (starts, last
   tokens, budgets, token history): a replay receives the previous step's
   acceptance and tapped rows, stores their context, advances the state as
-  rank 0's replay did, proposes the next block and sends it. A chain's
-  last step is received by a flush replay.
+  rank 0's replay did, proposes the next block and sends it (a shorter
+  chain's at its length; an autoregressive step proposes nothing). A
+  chain's last step is received by a flush replay.
 
 Rank 0's host sends, before each replay, ``CMD_ASYNC`` with the batch size,
 the sampling kind and the uploads a first step needs (``AsyncControl``),
@@ -18,6 +19,7 @@ or ``CMD_FLUSH``; the rest of the step never leaves the devices.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -116,30 +118,37 @@ def build_follower_graphs(target, cfg: StepSettings, tree: bool, link: TPLink, s
 
 
 def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int, channel, hidden_width: int,
-                         shared: dict) -> DecodeGraphs:
+                         shared: dict, prev_block: int | None = None, block: int | None = None) -> DecodeGraphs:
     """A separate drafter's replay of its half of a step. ``kind``: FIRST
     (propose from uploaded starts), CHAINED (take the previous step's
-    acceptance and tapped rows first) or FLUSH (only that)."""
-    dev, B = drafter.device, cfg.block_size
+    acceptance and tapped rows first) or FLUSH (only that).
+    ``prev_block``: the rows a request of the lane's previous step, whose
+    results a CHAINED or FLUSH replay takes; ``block``: this step's (None:
+    the whole block; fewer: a shorter chain, a chain; 1: an autoregressive
+    step, which proposes nothing, its row's context stored when its result
+    comes, as rank 0's would be in its own replay)."""
+    dev, full = drafter.device, cfg.block_size
+    Bp, B = prev_block or full, block or full
+    cfg = dataclasses.replace(cfg, block_size=B)
     bufs = state_buffers(cfg, dev, mode, draft_tables=True, history=cfg.lookup is not None, shared=shared)
     del bufs["target_tables"]
     # What the last proposal placed where: its rows' positions and context slots.
-    prev = {name: shared.setdefault(name, torch.zeros(cfg.max_seqs, B, dtype=torch.int64, device=dev))
+    prev = {name: shared.setdefault(name, torch.zeros(cfg.max_seqs, full, dtype=torch.int64, device=dev))
             for name in ("prev_positions", "prev_slots")}
-    use_tree = tree
+    use_tree = tree if B == full else None
 
     def advance(n: int) -> None:
         """The previous step's results, as rank 0's replay applied them."""
-        res = torch.empty(n, 2 * B + 2, dtype=torch.int64, device=dev)
-        hidden = torch.empty(n * B, hidden_width, dtype=drafter.dtype, device=dev)
+        res = torch.empty(n, 2 * Bp + 2, dtype=torch.int64, device=dev)
+        hidden = torch.empty(n * Bp, hidden_width, dtype=drafter.dtype, device=dev)
         channel.recv_raw([res, hidden])
-        out, kept = res[:, : B + 2], res[:, B + 2 :].bool()
-        slots = torch.where(kept, prev["prev_slots"][:n], 0)
-        drafter.model.store_context(hidden, prev["prev_positions"][:n].reshape(-1), slots.reshape(-1),
+        out, kept = res[:, : Bp + 2], res[:, Bp + 2 :].bool()
+        slots = torch.where(kept, prev["prev_slots"][:n, :Bp], 0)
+        drafter.model.store_context(hidden, prev["prev_positions"][:n, :Bp].reshape(-1), slots.reshape(-1),
                                     drafter.kv_cache)
         budget = bufs["budget"][:n]
         history, rows = (bufs["history"], bufs["slot"][:n]) if "history" in bufs else (None, None)
-        accept_advance(None, out[:, 0], out[:, 1], out[:, 3:], (budget + 1).clamp(1, B), out[:, 2].bool(), None,
+        accept_advance(None, out[:, 0], out[:, 1], out[:, 3:], (budget + 1).clamp(1, Bp), out[:, 2].bool(), None,
                        bufs["start"][:n], bufs["last"][:n], budget, bufs["real"][:n], history, rows)
 
     def step(n: int):
@@ -150,12 +159,16 @@ def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int,
         start, last, budget = bufs["start"][:n], bufs["last"][:n], bufs["budget"][:n]
         d_tables = bufs["draft_tables"][:n]
         blk = block_inputs(start, last, budget, d_tables, d_tables, B, cfg.kv_block_size, cfg.mask_token_id)
+        if B == 1:  # autoregressive: the verified row is the last token, at its start
+            prev["prev_positions"][:n, :1].copy_(blk.positions)
+            prev["prev_slots"][:n, :1].copy_(blk.draft_slots)
+            return ()
         st = sampling_tensors(bufs, mode, n, start, B)
         drafted = propose(drafter, cfg, bufs, blk, st, n, mode, use_tree)
         offsets = drafted.row_offsets()
         if offsets is None:
-            prev["prev_positions"][:n].copy_(blk.positions)
-            prev["prev_slots"][:n].copy_(blk.draft_slots)
+            prev["prev_positions"][:n, :B].copy_(blk.positions)
+            prev["prev_slots"][:n, :B].copy_(blk.draft_slots)
         else:  # a tree's rows sit at their depths
             prev["prev_positions"][:n].copy_(start[:, None] + offsets)
             prev["prev_slots"][:n].copy_(blk.draft_slots.gather(1, offsets))

@@ -35,7 +35,7 @@ from specray.actors.transport import (
     recv_message,
 )
 from specray.actors.step_parts import StepSettings
-from specray.actors.step_peers import FLUSH, StepWord, TPLink, build_drafter_graphs
+from specray.actors.step_peers import FIRST, FLUSH, StepWord, TPLink, build_drafter_graphs
 from specray.actors.step_peers import build_follower_graphs, decode_control, encode_control
 from specray.actors.messages import (
     CMD_ASYNC,
@@ -219,6 +219,7 @@ class DrafterActor:
                                                self.spec.mask_token_id)
         self._step_graphs: dict = {}
         self._step_buffers: dict = {}
+        self._last_block: dict[int, int] = {}  # by lane: the rows a request of the last step replayed there
 
     def node_id(self) -> str:
         return node_id()
@@ -258,7 +259,14 @@ class DrafterActor:
 
     @torch.inference_mode()
     def _async_step(self, w: StepWord, inputs: dict) -> None:
-        key = (w.mode, w.tree, w.kind, w.lane)
+        # The previous step's kind sets the shape of the results a chained
+        # or flushing replay takes first (the policy changes kinds mid-chain).
+        full = self.step_settings.block_size
+        block = 0 if w.kind == FLUSH else (w.block or full) if w.spec else 1
+        prev = 0 if w.kind == FIRST else self._last_block.get(w.lane, full)
+        if w.kind != FLUSH:
+            self._last_block[w.lane] = block
+        key = (w.mode, w.tree, w.kind, w.lane, prev, block)
         if key not in self._step_graphs:
             hidden_width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
             shared = self._step_buffers.setdefault(w.lane, {})
@@ -266,7 +274,7 @@ class DrafterActor:
                 shared.setdefault("history", self._step_buffers[0]["history"])
             self._step_graphs[key] = build_drafter_graphs(
                 self.worker, self.step_settings, w.mode, self.worker.tree if w.tree else None, w.kind, self.channel,
-                hidden_width, shared)
+                hidden_width, shared, prev_block=prev or None, block=block or None)
         graphs = self._step_graphs[key]
         rows = [inputs.pop(k, None) for k in ("history_rows", "history_cols", "history_tokens")]
         if rows[0] is not None:

@@ -315,8 +315,6 @@ class AsyncSteps:
             return "turned off (adaptive_speculation=False)"
         if self._async_unsupported() is not None:
             return "needs async_scheduling"
-        if not getattr(self.drafter, "local_model", False):
-            return "needs the drafter in rank 0's process (its autoregressive steps store the drafter's context)"
         return None
 
     def _shorter_drafts(self) -> tuple[int, ...]:
@@ -324,9 +322,7 @@ class AsyncSteps:
         block halved while it keeps ``shortest_verify_block`` rows. Chains
         (where the whole block holds a draft tree, the shorter ones are
         chains); TP followers replay each length's verify shard, a drafter
-        in another process would need its half at each length (not built)."""
-        if not getattr(self.drafter, "local_model", False):
-            return ()
+        in another process its proposal at that length."""
         out, rows = [], self.block_size // 2
         while rows >= max(2, self.config.shortest_verify_block):
             out.append(rows - 1)

@@ -51,7 +51,8 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> async_decode.I
         return None  # what was reserved is trimmed when the prefill commits
     core.begin_chain()
     _store_prompts(core, plan)
-    return async_decode.launch_decode(core, requests, chained=False, first_tokens=first_tokens)
+    return async_decode.launch_decode(core, requests, chained=False, first_tokens=first_tokens,
+                                      drafts=core.speculate(requests))
 
 
 # At most this many requests join a chain in one step: their prompts are

@@ -141,7 +141,7 @@ class EngineConfig:
     # Load-adaptive speculation (spec_policy.py): each async step verifies
     # the drafter's block or runs autoregressively, whichever the measured
     # step times and acceptance say emits more tokens per second. None: on
-    # where async steps run with the drafter in rank 0's process.
+    # where async steps run.
     adaptive_speculation: bool | None = None
     # The adaptive policy may also verify chains of the drafter's block
     # halved while it keeps this many rows (16 -> 8, 4; the block size: off):

@@ -123,7 +123,9 @@ def test_separate_drafter_lost_mid_generate(cluster, fault):
     the kill lands in a chain of async step graphs (the GPU default), whose
     exchange with the drafter fails inside rank 0's step."""
     root = cluster
-    steps = dict(cuda_graphs=True, async_scheduling=True) if fault.endswith("async") else {}
+    # whole blocks every step (no policy): acceptance is compared step by step with a run without the fault
+    steps = dict(cuda_graphs=True, async_scheduling=True, adaptive_speculation=False) if fault.endswith("async") \
+        else {}
     llm = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate", **KW, **steps)
     try:
         ref = reference(llm)
@@ -160,6 +162,31 @@ def test_separate_drafter_lost_mid_generate(cluster, fault):
         before = drafter_steps(llm)
         check_speculation_resumed(llm, ref)
         assert drafter_steps(llm) > before  # the new drafter actor proposed
+    finally:
+        llm.shutdown()
+
+
+def test_separate_drafter_lost_while_the_policy_takes_turns(cluster):
+    """The kill lands in a chain whose steps take turns (forced) between whole
+    blocks, a shorter chain and autoregressive steps, each of which the
+    drafter replays its own way: generate still finishes with the run's
+    tokens, and a new drafter drafts again."""
+    root = cluster
+    llm = LLM(root / "t", root / "d", backend="ray", drafter_placement="separate", cuda_graphs=True,
+              async_scheduling=True, extra={"policy_turns": [7, 3, 0]}, **KW)
+    try:
+        ref = reference(llm, ["long", "short"])
+        pace_while_drafter_down(llm)
+        drafter = llm._core.actors.drafter
+        th, _ = when_stepping(llm, lambda: os.kill(pid_of(drafter), signal.SIGKILL), llm.stats()["num_steps"] + 4)
+        got = llm.generate(PROMPTS, LONG)
+        th.join()
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref["long"]]
+        state = wait_drafter_up(llm)
+        assert state["losses"] == 1 and state["restarts"] == 1
+        later = llm.generate(PROMPTS, SHORT)
+        assert [o.token_ids for o in later] == [o.token_ids for o in ref["short"]]
+        assert sum(o.metrics.num_draft_tokens for o in later) > 0
     finally:
         llm.shutdown()
 

@@ -188,6 +188,40 @@ def test_tp_followers_replay_every_kind_of_step_the_policy_chooses(cluster):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_separate_drafter_replays_every_kind_of_step_the_policy_chooses(cluster, tp):
+    """The drafter in its own actor mirrors each kind of step the policy may
+    choose, forced in turn: whole blocks (draft trees), shorter chains (its
+    proposal at that length) and autoregressive steps (no proposal; the
+    row's context stored when its result comes). Seeded samples are those
+    of an in-process engine forced the same way, greedy tokens the
+    target's."""
+    turns = {"policy_turns": [7, 3, 3, 0]}
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True, top_p=0.9 if i % 2 else 1)
+               for i, n in enumerate(MAX_TOKENS)]
+    settings = dict(num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8,
+                    admit_into_chain=False, extra=turns)
+    want_sampled = [o.token_ids for o in LLM(cluster / "t", cluster / "d", **settings).generate(PROMPTS, sampled)]
+    llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=tp, drafter_placement="separate",
+              **settings)
+    try:
+        features = llm.stats()["features"]
+        assert features["adaptive_speculation"] == {"on": True, "drafts": [7, 3, 0]}, features
+        got = llm.generate(PROMPTS, sampled)  # first: the same turns as the in-process engine's
+        assert [o.token_ids for o in got] == want_sampled
+        got = llm.generate(PROMPTS, greedy)
+        assert [o.token_ids for o in got] == reference(cluster, greedy)
+        stats = llm.stats()
+        assert {"0", "3", "7"} <= set(stats["speculation"]["steps_by_drafts"]), stats["speculation"]
+        assert stats["drafter"]["state"] == "up" and stats["drafter"]["losses"] == 0, stats["drafter"]
+        steps = sum(len(o.metrics.acceptance_lengths) for o in got)
+        assert 0 < sum(o.metrics.num_draft_tokens for o in got) < 0.6 * 7 * steps
+        assert all(free == cap for free, cap in stats["pools"].values())
+    finally:
+        llm.shutdown()
+
+
 def test_three_way_tensor_parallel_group(cluster, tmp_path):
     """An odd group size (what the default SmolLM2, 9 heads, needs for TP > 1):
     every rank's shard, the plan broadcast and the all-reduces still give
