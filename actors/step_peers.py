@@ -37,11 +37,17 @@ from specray.actors.step_parts import (
 )
 from specray.kernels.ops import accept_advance, block_inputs, move_kv
 from specray.plan import AttentionMetadata
+from specray.staging import host_to_device
 
-# The inputs a first step uploads, in the order a control message carries them.
+# The inputs a first step uploads, in the order a control message carries
+# them; then the state of rows that join a running chain (JOINED).
 UPLOADS = ("start", "last", "real", "budget", "target_tables", "draft_tables", "temperature", "top_p", "top_k",
-           "keys", "slot", "history_rows", "history_cols", "history_tokens")
-FIRST, CHAINED, FLUSH = 0, 1, 2
+           "keys", "slot", "history_rows", "history_cols", "history_tokens") + \
+    tuple("join_" + k for k in ("rows", "start", "budget", "temperature", "top_p", "top_k", "keys", "slot", "riding"))
+# JOINED: the lane's previous results were taken already (the joining
+# prompts' context store flushed it); rows join with their state, their
+# first tokens over the data channel, and the step proposes as a first one.
+FIRST, CHAINED, FLUSH, JOINED = 0, 1, 2, 3
 
 
 @dataclass
@@ -176,3 +182,62 @@ def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int,
         return ()
 
     return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, mode, cfg.max_seqs), cfg.max_seqs, dev)
+
+
+def apply_join(bufs: dict, inputs: dict, first: torch.Tensor, max_seqs: int) -> None:
+    """A JOINED word's rows written into a lane's state ``bufs``, the other
+    rows' kept: their ``join_*`` inputs and first tokens ``first`` (from the
+    data channel); finished rows riding along write their history to the
+    padding row, as rank 0's join has them do (``chain_rows.join_rows``)."""
+    dev = first.device
+    idx = inputs["join_rows"].to(dev)
+    bufs["start"].index_copy_(0, idx, inputs["join_start"].to(dev))
+    bufs["last"].index_copy_(0, idx, first.to(bufs["last"].dtype))
+    bufs["budget"].index_copy_(0, idx, inputs["join_budget"].to(dev))
+    bufs["real"].index_fill_(0, idx, True)
+    for name in ("temperature", "top_p", "top_k", "keys", "slot"):
+        if "join_" + name in inputs and name in bufs:
+            bufs[name].index_copy_(0, idx, inputs["join_" + name].to(dev, bufs[name].dtype))
+    if "history" in bufs:
+        if "join_riding" in inputs:
+            bufs["slot"].index_fill_(0, inputs["join_riding"].to(dev), max_seqs)
+        bufs["history"].index_put_((bufs["slot"][idx], bufs["start"][idx]), first.to(torch.int64))
+
+
+class DrafterReplays:
+    """A separate drafter's halves of step graphs, by the kind of step and
+    the kind its lane replayed before (whose results a chained or flushing
+    replay takes first: the policy changes kinds mid-chain), and each
+    lane's mirrored state."""
+
+    def __init__(self, worker, settings: StepSettings, channel, hidden_width: int):
+        self.worker, self.settings, self.channel, self.hidden_width = worker, settings, channel, hidden_width
+        self.graphs: dict[tuple, DecodeGraphs] = {}
+        self.buffers: dict[int, dict] = {}  # by lane
+        self.last_block: dict[int, int] = {}  # by lane: the rows a request of the last step replayed there
+
+    def replay(self, w: StepWord, inputs: dict) -> None:
+        # A JOINED word's replay is a first step's, on the lane's state with the joined rows written.
+        full, kind = self.settings.block_size, FIRST if w.kind == JOINED else w.kind
+        block = 0 if kind == FLUSH else (w.block or full) if w.spec else 1
+        prev = 0 if kind == FIRST else self.last_block.get(w.lane, full)
+        if kind != FLUSH:
+            self.last_block[w.lane] = block
+        key = (w.mode, w.tree, kind, w.lane, prev, block)
+        if key not in self.graphs:
+            shared = self.buffers.setdefault(w.lane, {})
+            if w.lane and "history" in self.buffers.get(0, {}):  # one token history for every lane
+                shared.setdefault("history", self.buffers[0]["history"])
+            self.graphs[key] = build_drafter_graphs(
+                self.worker, self.settings, w.mode, self.worker.tree if w.tree else None, kind, self.channel,
+                self.hidden_width, shared, prev_block=prev or None, block=block or None)
+        graphs, dev = self.graphs[key], self.worker.device
+        rows = [inputs.pop(k, None) for k in ("history_rows", "history_cols", "history_tokens")]
+        if rows[0] is not None:
+            graphs.buffers["history"].index_put_((host_to_device(rows[0], dev), host_to_device(rows[1], dev)),
+                                                 host_to_device(rows[2], dev))
+        if w.kind == JOINED:
+            first = torch.empty(len(inputs["join_rows"]), dtype=torch.int64, device=dev)
+            self.channel.recv_raw([first])
+            apply_join(graphs.buffers, inputs, first, self.settings.max_seqs)
+        graphs.run(w.n, {k: v for k, v in inputs.items() if k in graphs.buffers})

@@ -13,6 +13,7 @@ Per step nothing goes through Ray: the plan travels over the TP group
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import socket
@@ -35,7 +36,7 @@ from specray.actors.transport import (
     recv_message,
 )
 from specray.actors.step_parts import StepSettings
-from specray.actors.step_peers import FIRST, FLUSH, StepWord, TPLink, build_drafter_graphs
+from specray.actors.step_peers import CHAINED, FLUSH, JOINED, DrafterReplays, StepWord, TPLink
 from specray.actors.step_peers import build_follower_graphs, decode_control, encode_control
 from specray.actors.messages import (
     CMD_ASYNC,
@@ -57,7 +58,6 @@ from specray.config import DrafterSpec, EngineConfig, TargetSpec
 from specray.draft_tree import load_universe
 from specray.draft_tree import unsupported as tree_unsupported
 from specray.plan import DraftBatch, DraftOutput, TargetBatch
-from specray.staging import host_to_device
 
 # ------------------------------------------------------- distributed set-up
 def free_address() -> tuple[str, int]:
@@ -163,8 +163,14 @@ class RemoteDrafter:
 
     def async_step(self, word: StepWord, inputs: dict) -> None:
         """Before rank 0 replays a step graph: the drafter replays its half
-        (which first takes the lane's previous step's results, if chained)."""
+        (which first takes the lane's previous step's results, if chained:
+        unless the joining prompts' context store took them, JOINED)."""
+        first = inputs.pop("join_first", None)
+        if word.kind == CHAINED and first is not None and word.lane not in self._pending:
+            word = dataclasses.replace(word, kind=JOINED)
         self.channel.control.send(CMD_ASYNC, encode_control(word, inputs))
+        if word.kind == JOINED:
+            self.channel.send_raw([first])
         self._pending[word.lane] = word
 
     def begin_chain(self) -> None:
@@ -217,9 +223,7 @@ class DrafterActor:
         self.num_steps = 0
         self.step_settings = StepSettings.make(config, config.draft_block_size(self.spec.block_size), max_model_len,
                                                self.spec.mask_token_id)
-        self._step_graphs: dict = {}
-        self._step_buffers: dict = {}
-        self._last_block: dict[int, int] = {}  # by lane: the rows a request of the last step replayed there
+        self._replays: DrafterReplays | None = None  # its halves of step graphs, made on first use
 
     def node_id(self) -> str:
         return node_id()
@@ -255,34 +259,13 @@ class DrafterActor:
                 self.channel.send(CMD_DRAFTS, pack_draft_output(out))
                 self.num_steps += 1
             elif cmd == CMD_ASYNC:
-                self._async_step(*decode_control(ts))
-
-    @torch.inference_mode()
-    def _async_step(self, w: StepWord, inputs: dict) -> None:
-        # The previous step's kind sets the shape of the results a chained
-        # or flushing replay takes first (the policy changes kinds mid-chain).
-        full = self.step_settings.block_size
-        block = 0 if w.kind == FLUSH else (w.block or full) if w.spec else 1
-        prev = 0 if w.kind == FIRST else self._last_block.get(w.lane, full)
-        if w.kind != FLUSH:
-            self._last_block[w.lane] = block
-        key = (w.mode, w.tree, w.kind, w.lane, prev, block)
-        if key not in self._step_graphs:
-            hidden_width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
-            shared = self._step_buffers.setdefault(w.lane, {})
-            if w.lane and "history" in self._step_buffers.get(0, {}):  # one token history for every lane
-                shared.setdefault("history", self._step_buffers[0]["history"])
-            self._step_graphs[key] = build_drafter_graphs(
-                self.worker, self.step_settings, w.mode, self.worker.tree if w.tree else None, w.kind, self.channel,
-                hidden_width, shared, prev_block=prev or None, block=block or None)
-        graphs = self._step_graphs[key]
-        rows = [inputs.pop(k, None) for k in ("history_rows", "history_cols", "history_tokens")]
-        if rows[0] is not None:
-            dev = self.device
-            graphs.buffers["history"].index_put_((host_to_device(rows[0], dev), host_to_device(rows[1], dev)),
-                                                 host_to_device(rows[2], dev))
-        graphs.run(w.n, {k: v for k, v in inputs.items() if k in graphs.buffers})
-        self.num_steps += w.kind != FLUSH
+                if self._replays is None:
+                    width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
+                    self._replays = DrafterReplays(self.worker, self.step_settings, self.channel, width)
+                w, inputs = decode_control(ts)
+                with torch.inference_mode():
+                    self._replays.replay(w, inputs)
+                self.num_steps += w.kind != FLUSH
 
 
 # ------------------------------------------------------------- the target

@@ -109,7 +109,8 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
         inputs, uploads = first_inputs(core, requests, first_tokens, mode, graphs)
     else:
         if joined:  # their rows' state is written in place; the others' stays the device's
-            join_rows(core, graphs, requests, joined, first_tokens, mode)
+            apart = getattr(core.drafter, "step_link", None) is not None
+            inputs.update(join_rows(core, graphs, requests, joined, first_tokens, mode, apart))
         if joined or any(r.finished for r in requests):
             # Finished rows ride as padding (EngineCore._can_chain): freed, their
             # tables are empty (block 0), and ``real`` off restarts them at 0.
@@ -408,9 +409,9 @@ class AsyncSteps:
 
     def _rows_may_finish(self) -> bool:
         """Whether a chain may run on past finished rows and admit requests
-        into finished rows' places: one lane, and no drafter in another
-        process (it keeps row state of its own, which no padding or joining
-        write reaches; TP followers keep none)."""
+        into finished rows' places: one lane (a separate drafter is sent
+        the joined rows' state, chain_rows.join_rows; TP followers keep
+        none)."""
         return self._join_unsupported() is None and len(self._inflight) <= 1
 
     def _finished_rows_ride(self, rows: int, live: int, joins: int) -> bool:

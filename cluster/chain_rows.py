@@ -66,11 +66,13 @@ def write_history(graphs, inputs: dict, uploads, first_tokens: torch.Tensor | No
 
 
 def join_rows(core, graphs, requests: list[Request], joined: tuple[int, ...], first_tokens: torch.Tensor,
-              mode: str) -> None:
+              mode: str, drafter_apart: bool = False) -> dict:
     """Write the first-step state of the rows ``joined`` (their requests'
     prompts just prefilled, ``first_tokens`` ``[len(joined)]`` on the device)
     into ``graphs``' buffers. Finished rows riding along are pointed at the
-    history's padding row: theirs may be a joining request's now."""
+    history's padding row: theirs may be a joining request's now. Returns,
+    for a drafter in another process (``drafter_apart``), the same state as
+    a JOINED word's inputs (``step_peers.apply_join``); else nothing."""
     joining = [requests[i] for i in joined]
     inputs, uploads = first_inputs(core, joining, first_tokens, mode, graphs)
     riding = [i for i, r in enumerate(requests) if r.finished] if uploads is not None else []
@@ -102,3 +104,13 @@ def join_rows(core, graphs, requests: list[Request], joined: tuple[int, ...], fi
         if riding:
             padding_row = graphs.buffers["history"].shape[0] - 1
             graphs.buffers["slot"].index_fill_(0, packed[k : k + len(riding)], padding_row)
+    if not drafter_apart:
+        return {}
+    peer = {"join_rows": torch.tensor(joined, dtype=torch.int64), "join_first": first_tokens.to(torch.int64)}
+    peer |= {"join_" + n: inputs[n] for n in ("start", "budget", "temperature", "top_p", "top_k", "keys", "slot")
+             if n in inputs}
+    if riding:
+        peer["join_riding"] = torch.tensor(riding, dtype=torch.int64)
+    if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
+        peer |= dict(zip(("history_rows", "history_cols", "history_tokens"), uploads))
+    return peer

@@ -127,8 +127,7 @@ class EngineConfig:
     # finished row's place (or as a row more) instead of draining it: its
     # prompt is prefilled alone behind the step in flight, its row's state
     # written on the device (chain_admit.py); finished rows ride as padding
-    # meanwhile. One lane, and no drafter in another process (it keeps row
-    # state of its own; TP followers keep none).
+    # meanwhile. One lane.
     admit_into_chain: bool = True
     # When waiting requests join a running chain (join_wait.py): None waits,
     # finished rows riding meanwhile, for the batch that costs least given

@@ -396,8 +396,6 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             return "turned off (admit_into_chain=False)"
         if self._async_unsupported() is not None:
             return "needs async_scheduling"
-        if self.drafter is not None and not getattr(self.drafter, "local_model", False):
-            return "not built for a drafter in another process (it keeps row state of its own)"
         return None
 
     # --------------------------------------------------------------- apply

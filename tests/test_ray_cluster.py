@@ -31,13 +31,20 @@ def config(root, **kw):
     return EngineConfig(target=str(root / "t"), drafter=str(root / "d"), num_kv_blocks=300, kv_block_size=4, **kw)
 
 
-async def staggered(engine, params):
-    """Admit the prompts at different times; collect every chunk."""
+async def staggered(engine, params, after_first: bool = False):
+    """Admit the prompts at different times; collect every chunk.
+    ``after_first``: the others only once the first has its first tokens
+    (its chain runs, on however slow a machine)."""
+    started = asyncio.Event()
+
     async def one(i):
+        if after_first and i:
+            await started.wait()
         await asyncio.sleep(0.05 * i)
         chunks = []
         async for out in engine.generate(PROMPTS[i], params[i], request_id=f"r{i}"):
             chunks.append((time.monotonic(), out))
+            started.set()
         return chunks
 
     return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
@@ -99,8 +106,7 @@ def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         assert features["overlap"]["on"] == lanes, features
-        # requests join running chains where no drafter in another process keeps row state
-        assert features["admit_into_chain"]["on"] == (placement == "colocated"), features
+        assert features["admit_into_chain"]["on"], features  # requests join running chains in every placement
         for params in (greedy, sampled):
             before = llm.stats()["num_async_steps"]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)
@@ -118,7 +124,7 @@ def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
     tokens stay the in-process engine's, seeded samples too where every
     step verifies the whole block (a policy's AR steps draw other
     uniforms: its sampled output is checked by distribution,
-    test_spec_policy.py); a separate drafter still cannot."""
+    test_spec_policy.py)."""
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     settings = dict(cuda_graphs=True, async_scheduling=True, max_num_seqs=8)
     engine = AsyncEngine.from_config(config(cluster, **settings), "ray", 1, "colocated")
@@ -142,11 +148,6 @@ def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
         assert engine.stats()["chain_joins"] > 0
     finally:
         engine.shutdown()
-    separate = AsyncEngine.from_config(config(cluster, **settings), "ray", 1, "separate")
-    try:
-        assert not separate.stats()["features"]["admit_into_chain"]["on"]
-    finally:
-        separate.shutdown()
 
 
 def test_tp_followers_replay_every_kind_of_step_the_policy_chooses(cluster):
@@ -220,6 +221,32 @@ def test_a_separate_drafter_replays_every_kind_of_step_the_policy_chooses(cluste
         assert all(free == cap for free, cap in stats["pools"].values())
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_requests_join_the_chains_of_a_separate_drafter(cluster, tp):
+    """Requests arriving apart join running chains with the drafter in its
+    own actor: the joining prompts' context store takes the step in
+    flight's results, and the joined rows' state and first tokens reach
+    the drafter's mirrored state with the next step (JOINED); finished rows
+    ride meanwhile. Greedy tokens, and seeded samples where every step
+    verifies the whole block, are the in-process engine's."""
+    lengths = [120] + MAX_TOKENS[1:]  # the first request's chain runs while the others arrive
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True, top_p=0.9 if i % 2 else 1)
+               for i, n in enumerate(lengths)]
+    for params, adaptive in ((greedy, None), (sampled, False)):
+        settings = dict(cuda_graphs=True, async_scheduling=True, max_num_seqs=8, adaptive_speculation=adaptive)
+        engine = AsyncEngine.from_config(config(cluster, **settings), "ray", tp, "separate")
+        try:
+            assert engine.stats()["features"]["admit_into_chain"] == {"on": True}
+            results = asyncio.run(staggered(engine, params, after_first=True))
+            assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, params)
+            stats = engine.stats()
+            assert stats["chain_joins"] > 0 and stats["drafter"]["losses"] == 0, stats
+            assert all(free == cap for free, cap in stats["pools"].values())
+        finally:
+            engine.shutdown()
 
 
 def test_three_way_tensor_parallel_group(cluster, tmp_path):
