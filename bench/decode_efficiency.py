@@ -6,7 +6,11 @@ what verifying a block costs against one autoregressive row, one run:
   autoregressive step) and ``--block`` rows (a chain's verify block), over a
   context of ``--context`` tokens: CUDA events around ``--replays`` replays;
 * the engine's whole autoregressive step at batch 1 (asynchronous step
-  graphs: forward, sampling, the host's apply), wall time per token.
+  graphs: forward, sampling, the host's apply), wall time per token;
+* the AR forward again with the few-row projection kernels off (cuBLAS and
+  the separate norm and activation kernels): ``forward_ar_cublas_ms``.
+  ``--tune-linear SHAPE`` first picks those kernels' configurations for
+  the shape's projections (``bench/linear_kernels.py``).
 
 Bytes read a step are the weights (less an untied embedding table, of
 which a step reads one row) plus the context's K/V. ``of_copy_bandwidth`` is those bytes
@@ -31,6 +35,7 @@ from common import add_target_args, ar_decode_s, copy_bandwidth, resolve_target,
 
 from specray import LLM
 from specray.actors.graphs import DecodeGraphs
+from specray.kernels import ops
 
 
 def checkpoint_bytes(path: str, itemsize: int) -> int:
@@ -124,9 +129,15 @@ def main(argv=None) -> dict:
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kernels", action="store_true", help="add the AR forward's kernels (torch profiler)")
+    p.add_argument("--tune-linear", default="", help="a linear_kernels.py shape: tune the few-row kernels first")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     target = resolve_target(args)
+    linear = {}
+    if args.tune_linear:
+        from linear_kernels import tune
+
+        linear = tune(args.tune_linear)
     llm = LLM(target, None, device=args.device, dtype=args.dtype, max_model_len=args.context + 2 * args.block + 256,
               max_num_seqs=4, gpu_memory_utilization=0.5)
     core = llm.engine
@@ -142,6 +153,13 @@ def main(argv=None) -> dict:
     ar_s = forward_s(worker, 1, args.context, kv_block, args.replays)
     verify_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
     step_s = ar_decode_s(llm, args.steps)
+    ar_cublas_s = None
+    if ops._linear is not None and dev.type == "cuda":
+        skinny, ops._linear = ops._linear, None
+        try:
+            ar_cublas_s = forward_s(worker, 1, args.context, kv_block, args.replays)
+        finally:
+            ops._linear = skinny
     report = {
         "target": target, "device": str(dev), "dtype": args.dtype, "context": args.context,
         "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
@@ -150,10 +168,14 @@ def main(argv=None) -> dict:
         "forward_ar_ms": round(1000 * ar_s, 4), f"forward_verify{args.block}_ms": round(1000 * verify_s, 4),
         f"verify{args.block}_over_ar": round(verify_s / ar_s, 3),
         "forward_ar_of_copy_bandwidth": round(step_bytes / ar_s / bandwidth, 3),
+        "forward_ar_cublas_ms": ar_cublas_s and round(1000 * ar_cublas_s, 4),
+        "forward_ar_cublas_of_copy_bandwidth": ar_cublas_s and round(step_bytes / ar_cublas_s / bandwidth, 3),
         "engine_ar_ms_per_token": round(1000 * step_s, 4), "engine_ar_tok_s": round(1 / step_s, 1),
         "engine_ar_of_copy_bandwidth": round(step_bytes / step_s / bandwidth, 3),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
     }
+    if linear:
+        report["linear_kernels"] = linear
     if args.kernels:
         report["ar_forward_kernels"] = kernel_times(worker, args.context, kv_block)
     print(json.dumps(report, indent=2))

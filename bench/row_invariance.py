@@ -29,7 +29,7 @@ from specray.bench import load_prompts
 from specray.plan import AttentionMetadata
 
 
-OPS = ("rms_norm", "qkv_rope", "paged_attention", "silu_mul")
+OPS = ("norm_linear", "qkv_rope", "paged_attention", "linear", "silu_mul_linear", "rms_norm")
 
 
 def trace(fn, row: int = 0) -> list[tuple[str, torch.Tensor]]:

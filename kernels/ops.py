@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from specray.kernels import fused
+from specray.kernels import linear as fused_linear
 from specray.kernels.attention import (
     dflash_block_attention_ref,
     paged_attention_ref,
@@ -24,8 +25,9 @@ try:  # triton is optional: CPU installs run the references
     from specray.kernels import step_glue_triton as _glue
     from specray.kernels import kv_move_triton as _kv_move
     from specray.kernels import tree_triton as _tree
+    from specray.kernels import linear_triton as _linear
 except Exception:  # ImportError, or a triton that cannot initialise here
-    _triton = _fused = _lookup = _argmax = _glue = _kv_move = _tree = None
+    _triton = _fused = _lookup = _argmax = _glue = _kv_move = _tree = _linear = None
 
 # The fused elementwise kernels copy the reference's roundings in 16-bit
 # dtypes; fp32 runs the references, so fp32 on a GPU gives the CPU's bits
@@ -101,6 +103,34 @@ def silu_mul(gate_up):
     return (_fused.silu_mul if _fused_ok(gate_up) else fused.silu_mul)(gate_up)
 
 
+def _skinny_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A few rows (a decode step's): one kernel streams the weight and
+    builds its input rows (``linear_triton``); more rows go to cuBLAS."""
+    return (_linear is not None and x.is_cuda and x.dtype in _FUSED_DTYPES and w.dtype == x.dtype
+            and 0 < x.shape[0] <= _linear.MAX_ROWS and x.dim() == 2 and w.is_contiguous())
+
+
+def linear(x, w, b=None):
+    """``x @ w.T + b`` of ``x`` ``[rows, K]``."""
+    return (_linear.linear if _skinny_ok(x, w) else fused_linear.linear)(x, w, b)
+
+
+def norm_linear(x, norm_weight, eps, residual, w, b=None):
+    """``(y, s)``: ``rms_norm(x, norm_weight, eps, residual)`` projected by
+    ``w``, and the residual stream ``s``."""
+    if _skinny_ok(x, w):
+        return _linear.norm_linear(x, norm_weight, eps, residual, w, b)
+    y, s = (_fused.rms_norm if _fused_ok(x) else fused.rms_norm)(x, norm_weight, eps, residual)
+    return fused_linear.linear(y, w, b), s
+
+
+def silu_mul_linear(gate_up, w, b=None):
+    """``silu_mul(gate_up)`` projected by ``w``."""
+    if _skinny_ok(gate_up, w):
+        return _linear.silu_mul_linear(gate_up, w, b)
+    return fused_linear.linear((_fused.silu_mul if _fused_ok(gate_up) else fused.silu_mul)(gate_up), w, b)
+
+
 def argmax(x):
     """``x.argmax(-1)``: on a GPU a chunked kernel (a row per SM is slow
     for a handful of vocabulary-long rows)."""
@@ -124,5 +154,6 @@ def accept_advance(argmax, num_accepted, bonus, drafts, block_len, looked_up, dr
               history, history_rows)
 
 
-__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "context_kv", "silu_mul", "argmax", "lookup_drafts",
+__all__ = ["store_kv", "paged_attention", "dflash_block_attention", "rms_norm", "qkv_rope", "context_kv", "silu_mul",
+           "linear", "norm_linear", "silu_mul_linear", "argmax", "lookup_drafts",
            "block_inputs", "accept_advance", "move_kv", "tree_rows", "build_tree", "top_logprobs"]

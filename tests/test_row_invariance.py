@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import row_invariance  # noqa: E402
 
 qwen3 = row_invariance.qwen3
+linear_refs = sys.modules["specray.kernels.linear"]
 PLANT_ROW = 2
 
 
@@ -60,6 +61,7 @@ def row_invariant_target(monkeypatch):
                           for i in range(n)])
 
     monkeypatch.setattr(qwen3, "F", SimpleNamespace(linear=linear))
+    monkeypatch.setattr(linear_refs, "linear", linear)  # the projections' GEMMs (kernels.ops calls it)
     monkeypatch.setattr(qwen3.ops, "paged_attention", attention)
 
 
@@ -70,23 +72,23 @@ def test_row_invariant_target_counts_no_difference(setup, row_invariant_target):
 
 
 def test_planted_difference_is_traced_at_its_row(setup, row_invariant_target, monkeypatch):
-    """silu_mul nudges row 2 of every call of 4+ rows: the first position
-    that differs is the first block's row 2, and the trace, run at that
-    row of its block (not as row 0 of a block starting there, which holds
-    no nudge), names silu_mul as the first op that differs."""
-    silu_mul = qwen3.ops.silu_mul
+    """The MLP's down projection nudges row 2 of every call of 4+ rows: the
+    first position that differs is the first block's row 2, and the trace,
+    run at that row of its block (not as row 0 of a block starting there,
+    which holds no nudge), names it as the first op that differs."""
+    silu_mul_linear = qwen3.ops.silu_mul_linear
 
-    def nudged(x):
-        out = silu_mul(x)
+    def nudged(x, w, b=None):
+        out = silu_mul_linear(x, w, b)
         if out.shape[0] >= 4:
             out = out.clone()
             out[PLANT_ROW] += 1e-3
         return out
 
-    monkeypatch.setattr(qwen3.ops, "silu_mul", nudged)
+    monkeypatch.setattr(qwen3.ops, "silu_mul_linear", nudged)
     r = row_invariance.main(setup[1])
     assert r["total"]["positions_differ_block_4"] > 0
     first = r["first_difference"]
     rows = r["prompts"][first["prompt"]]
     assert first["position"] == rows["prompt_len"] + PLANT_ROW and first["row_in_block"] == PLANT_ROW
-    assert first["first_op"] == "silu_mul", first
+    assert first["first_op"] == "silu_mul_linear", first

@@ -165,10 +165,9 @@ class TargetModel:
         # so the stream after layer ``li`` appears at layer ``li + 1``'s norm.
         residual = None
         for li, layer in enumerate(self.layers):
-            x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
+            qkv, residual = ops.norm_linear(h, layer.input_norm, eps, residual, layer.qkv, layer.qkv_bias)
             if li - 1 in tap_layer_ids:
                 taps[li - 1] = residual
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, _ = ops.qkv_rope(qkv[:, : nq * D], qkv[:, nq * D :], nq, nkv, D, rope, layer.q_norm, layer.k_norm,
                                 eps, kv_cache[li, 0], kv_cache[li, 1], attn.slot_mapping)
             o = ops.paged_attention(
@@ -185,12 +184,12 @@ class TargetModel:
                 attn.tree_mask,
                 tree,
             )
-            h = self.tp.all_reduce(F.linear(o.reshape(-1, nq * D), layer.o_proj))
+            h = self.tp.all_reduce(ops.linear(o.reshape(-1, nq * D), layer.o_proj))
             if layer.o_bias is not None:
                 h = h + layer.o_bias
-            x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
-            h = self.tp.all_reduce(F.linear(ops.silu_mul(gate_up), layer.down))
+            gate_up, residual = ops.norm_linear(h, layer.post_norm, eps, residual, layer.gate_up,
+                                                layer.gate_up_bias)
+            h = self.tp.all_reduce(ops.silu_mul_linear(gate_up, layer.down))
             if layer.down_bias is not None:
                 h = h + layer.down_bias
 

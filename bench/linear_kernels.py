@@ -1,0 +1,165 @@
+"""A decoder layer's projections at one row (a batch-1 decode step): the
+few-row kernels (``kernels/linear_triton.py``) against cuBLAS with the
+separate norm and activation kernels, per projection of a model's shape,
+one run:
+
+* each projection as the model runs it: QKV and gate/up with the norm
+  before them (``norm_linear``), o (``linear``), down with ``silu * up``
+  (``silu_mul_linear``); the reference is ``rms_norm`` + ``F.linear`` etc.;
+* time per call from CUDA events around graph replays, cycling through
+  enough copies of the weight that none is read from L2;
+* ``--tune``: every kernel configuration of a small grid, the fastest kept
+  (printed as ``CONFIGS`` entries for ``linear_triton``).
+
+    python bench/linear_kernels.py --shape qwen3-8b --tune --out results/h200_linear_kernels_qwen3_8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, write_report
+
+from specray.kernels import linear_triton
+
+# hidden, q heads, kv heads, head dim, intermediate
+SHAPES = {"qwen3-8b": (4096, 32, 8, 128, 12288), "qwen3-32b": (5120, 64, 8, 128, 25600),
+          "smollm2-135m": (576, 9, 3, 64, 1536)}
+GRID = [(bn, bk, w, 3) for (bn, bk), w in itertools.product(
+    [(4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128), (32, 256)], [4, 8])]
+
+
+def projections(shape: str) -> list[tuple[str, int, int, int]]:
+    """(name, kernel kind, N, K) of one decoder layer."""
+    H, nq, nkv, D, inter = SHAPES[shape]
+    L = linear_triton
+    return [("qkv", L.NORM, (nq + 2 * nkv) * D, H), ("o", L.PLAIN, H, nq * D),
+            ("gate_up", L.NORM, 2 * inter, H), ("down", L.SILU, H, inter)]
+
+
+def call_us(fn, calls: int, replays: int = 20) -> float:
+    """Microseconds a call of ``fn(i)`` (``i`` cycles the weight copies),
+    replayed as a CUDA graph of ``calls`` calls."""
+    for i in range(calls):  # compile, warm
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * calls)
+
+
+def bench_projection(kind: int, N: int, K: int, rows: int, dtype, grid, bandwidth: float) -> dict:
+    dev = torch.device("cuda")
+    wbytes = N * K * torch.finfo(dtype).bits // 8
+    copies = max(2, -(-(512 << 20) // wbytes))  # > 2x any L2
+    ws = [torch.randn(N, K, device=dev, dtype=dtype) * K ** -0.5 for _ in range(copies)]
+    x = torch.randn(rows, 2 * K if kind == linear_triton.SILU else K, device=dev, dtype=dtype)
+    r = torch.randn(rows, K, device=dev, dtype=dtype)
+    g = torch.ones(K, device=dev, dtype=dtype)
+
+    def kernel(i):
+        w = ws[i % copies]
+        if kind == linear_triton.NORM:
+            return linear_triton.norm_linear(x, g, 1e-6, r, w)
+        return (linear_triton.silu_mul_linear if kind == linear_triton.SILU else linear_triton.linear)(x, w)
+
+    def reference(i):
+        w = ws[i % copies]
+        if kind == linear_triton.NORM:
+            return torch.nn.functional.linear(fused_rms(x, g, r), w)
+        return torch.nn.functional.linear(fused_silu(x) if kind == linear_triton.SILU else x, w)
+
+    calls = 2 * copies
+    ref_us = call_us(reference, calls)
+    key = (N, K, triton_pow2(rows))
+    tried = []
+    for cfg in grid:
+        linear_triton.CONFIGS[key] = cfg
+        try:
+            tried.append((call_us(kernel, calls), cfg))
+        except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+            print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
+    linear_triton.CONFIGS.pop(key, None)
+    default_us = call_us(kernel, calls)
+    best_us, best = min(tried) if tried else (default_us, linear_triton.config(N, K, rows))
+    if best_us < default_us:
+        linear_triton.CONFIGS[key] = best
+    else:
+        best_us, best = default_us, linear_triton.config(N, K, rows)
+    ideal_us = 1e6 * wbytes / bandwidth
+    return {"N": N, "K": K, "rows": rows, "weight_MB": round(wbytes / 1e6, 1),
+            "kernel_us": round(best_us, 2), "config": list(best), "default_config_us": round(default_us, 2),
+            "cublas_unfused_us": round(ref_us, 2), "kernel_over_cublas": round(best_us / ref_us, 3),
+            "kernel_of_copy_bandwidth": round(ideal_us / best_us, 3),
+            "cublas_of_copy_bandwidth": round(ideal_us / ref_us, 3)}
+
+
+def fused_rms(x, g, r):
+    from specray.kernels import ops
+
+    return ops.rms_norm(x, g, 1e-6, r)[0]
+
+
+def fused_silu(x):
+    from specray.kernels import ops
+
+    return ops.silu_mul(x)
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def tune(shape: str, dtype=torch.bfloat16, rows: int = 1, grid=None, bandwidth: float | None = None) -> dict:
+    """Each projection of ``shape``: the fastest configuration of ``grid``
+    (set in ``linear_triton.CONFIGS`` for this process) against cuBLAS."""
+    bandwidth = bandwidth or copy_bandwidth("cuda")
+    out = {}
+    for name, kind, N, K in projections(shape):
+        out[name] = bench_projection(kind, N, K, rows, dtype, GRID if grid is None else grid, bandwidth)
+        print(name, json.dumps(out[name]), file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--tune", action="store_true", help="sweep the configuration grid (else the defaults)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    bandwidth = copy_bandwidth("cuda")
+    per = tune(args.shape, rows=args.rows, grid=None if args.tune else [], bandwidth=bandwidth)
+    kernel_us = sum(v["kernel_us"] for v in per.values())
+    ref_us = sum(v["cublas_unfused_us"] for v in per.values())
+    report = {"shape": args.shape, "rows": args.rows, "device": torch.cuda.get_device_name(),
+              "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "projections": per,
+              "layer_kernel_us": round(kernel_us, 2), "layer_cublas_unfused_us": round(ref_us, 2),
+              "layer_kernel_over_cublas": round(kernel_us / ref_us, 3),
+              "configs": {f"({v['N']}, {v['K']}, {triton_pow2(v['rows'])})": v["config"] for v in per.values()},
+              "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}
+    print(json.dumps(report, indent=2))
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

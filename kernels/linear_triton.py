@@ -1,0 +1,134 @@
+"""Triton kernels for ``linear.py``: a projection of at most ``MAX_ROWS``
+rows, one kernel that streams the weight once.
+
+Each program owns ``BLOCK_N`` output columns (weight rows) and walks the
+whole ``K``; there is no split-K, so no second kernel reduces partial sums.
+The input rows are built in the loop from what the kernel reads: a
+normed residual stream (``norm_linear``: a first pass over the row sums its
+squares; every program does it, the row is a few KiB out of L2) or the MLP's
+``silu(gate) * up`` (``silu_mul_linear``), rounded where ``fused.py``
+rounds. Program 0 writes the residual stream. Every row is computed the
+same way whatever the number of rows, so a row's bits do not depend on the
+batch it runs in (cuBLAS picks its kernel by row count).
+
+Graph capture: the grid depends on shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4
+PLAIN, NORM, SILU = 0, 1, 2
+
+# (N, K, BLOCK_M) -> (BLOCK_N, BLOCK_K, num_warps, num_stages), the fastest
+# measured (bench/linear_kernels.py); other shapes take ``_default_config``.
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, r_ptr, s_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, r_stride, eps,
+                          PRO: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    dt = y_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+    r_rows = r_ptr + rows.to(tl.int64)[:, None] * r_stride
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    if PRO == 1:
+        # The norm's statistics first: the whole row's sum of squares.
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            xm = row_ok[:, None] & (k < K)[None, :]
+            a = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            if HAS_RES:
+                a = (a + tl.load(r_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            ss += tl.sum(a * a, axis=1)
+        inv = 1.0 / tl.sqrt_rn(ss / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN_K:
+            xm = row_ok[:, None]
+            wv = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            xm = row_ok[:, None] & (k < K)[None, :]
+            wv = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        if PRO == 2:
+            gate = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            a = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            a = (a * up).to(dt).to(tl.float32)
+        else:
+            a = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            if PRO == 1:
+                if HAS_RES:
+                    s = (a + tl.load(r_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)).to(dt)
+                    tl.store(s_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], s, mask=xm & (pid == 0))
+                    a = s.to(tl.float32)
+                gw = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                a = ((a * inv[:, None]).to(dt).to(tl.float32) * gw[None, :]).to(dt).to(tl.float32)
+        acc += tl.sum(a[:, None, :] * wv.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(dt), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _default_config(N: int, K: int, block_m: int) -> tuple[int, int, int, int]:
+    """Enough programs to fill the GPU twice over (a program per
+    ``BLOCK_N`` weight rows), each loading ``BLOCK_K``-wide tiles."""
+    block_k = min(512, max(64, triton.next_power_of_2(K)))
+    block_n = 4
+    while block_n < 32 and N // (2 * block_n) >= 512:
+        block_n *= 2
+    return block_n, block_k, 4, 3
+
+
+def config(N: int, K: int, rows: int) -> tuple[int, int, int, int]:
+    block_m = triton.next_power_of_2(rows)
+    return CONFIGS.get((N, K, block_m)) or _default_config(N, K, block_m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(pro, x, w, b, K, r=None, s=None, g=None, eps=0.0) -> torch.Tensor:
+    M, N = x.shape[0], w.shape[0]
+    assert 0 < M <= MAX_ROWS and w.shape[1] == K and w.is_contiguous() and w.dtype == x.dtype
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config(N, K, M)
+    _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
+        x, x if r is None else r, y if s is None else s, w if g is None else g, w, w if b is None else b, y,
+        M, N, K, x.stride(0), x.stride(0) if r is None else r.stride(0), eps,
+        PRO=pro, HAS_RES=r is not None, HAS_BIAS=b is not None, EVEN_K=K % block_k == 0,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def linear(x, w, b=None):
+    x = _rows(x)
+    return _launch(PLAIN, x, w, b, x.shape[1])
+
+
+def norm_linear(x, norm_weight, eps, residual, w, b=None):
+    x = _rows(x)
+    if residual is None:
+        return _launch(NORM, x, w, b, x.shape[1], g=norm_weight, eps=eps), x
+    r = _rows(residual)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _launch(NORM, x, w, b, x.shape[1], r=r, s=s, g=norm_weight, eps=eps), s
+
+
+def silu_mul_linear(gate_up, w, b=None):
+    gate_up = _rows(gate_up)
+    return _launch(SILU, gate_up, w, b, gate_up.shape[1] // 2)
