@@ -7,9 +7,7 @@ The input rows are built in the loop from what the kernel reads: a
 normed residual stream (``norm_linear``: a first pass over the row sums its
 squares; every program does it, the row is a few KiB out of L2) or the MLP's
 ``silu(gate) * up`` (``silu_mul_linear``), rounded where ``fused.py``
-rounds. Program 0 writes the residual stream. Every row is computed the
-same way whatever the number of rows, so a row's bits do not depend on the
-batch it runs in (cuBLAS picks its kernel by row count).
+rounds. Program 0 writes the residual stream.
 
 Graph capture: the grid depends on shapes only.
 """
@@ -53,7 +51,9 @@ def _skinny_linear_kernel(x_ptr, r_ptr, s_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N,
                 a = (a + tl.load(r_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
             ss += tl.sum(a * a, axis=1)
         inv = 1.0 / tl.sqrt_rn(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # Products summed elementwise across the loop and reduced once at the
+    # end: no cross-lane reduction per tile.
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         if EVEN_K:
@@ -76,25 +76,40 @@ def _skinny_linear_kernel(x_ptr, r_ptr, s_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N,
                     a = s.to(tl.float32)
                 gw = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                 a = ((a * inv[:, None]).to(dt).to(tl.float32) * gw[None, :]).to(dt).to(tl.float32)
-        acc += tl.sum(a[:, None, :] * wv.to(tl.float32)[None, :, :], axis=2)
+        acc += a[:, None, :] * wv.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(dt), mask=row_ok[:, None] & n_ok[None, :])
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], y.to(dt), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _default_config(N: int, K: int, block_m: int) -> tuple[int, int, int, int]:
     """Enough programs to fill the GPU twice over (a program per
-    ``BLOCK_N`` weight rows), each loading ``BLOCK_K``-wide tiles."""
+    ``BLOCK_N`` weight rows), each loading ``BLOCK_K``-wide tiles; the
+    running sums (``BLOCK_M * BLOCK_N * BLOCK_K``) at 32 a thread."""
     block_k = min(512, max(64, triton.next_power_of_2(K)))
     block_n = 4
     while block_n < 32 and N // (2 * block_n) >= 512:
         block_n *= 2
-    return block_n, block_k, 4, 3
+    warps = 4
+    while block_m * block_n * block_k > 32 * 32 * warps:
+        if warps < 8:
+            warps *= 2
+        elif block_k > 64:
+            block_k //= 2
+        else:
+            block_n //= 2
+    return block_n, block_k, warps, 3
 
 
 def config(N: int, K: int, rows: int) -> tuple[int, int, int, int]:
+    """The tuned configuration of ``(N, K, rows)``; the one tuned for a
+    single row where more rows fit its running sums; else the default."""
     block_m = triton.next_power_of_2(rows)
-    return CONFIGS.get((N, K, block_m)) or _default_config(N, K, block_m)
+    tuned = CONFIGS.get((N, K, block_m))
+    if tuned is None and (one := CONFIGS.get((N, K, 1))) and block_m * one[0] * one[1] <= 32 * 32 * one[2]:
+        tuned = one
+    return tuned or _default_config(N, K, block_m)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
