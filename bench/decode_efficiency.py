@@ -7,8 +7,8 @@ what verifying a block costs against one autoregressive row, one run:
   context of ``--context`` tokens: CUDA events around ``--replays`` replays;
 * the engine's whole autoregressive step at batch 1 (asynchronous step
   graphs: forward, sampling, the host's apply), wall time per token;
-* the AR forward again with the few-row projection kernels off (cuBLAS and
-  the separate norm and activation kernels): ``forward_ar_cublas_ms``.
+* the AR and verify forwards again with the few-row projection kernels off
+  (cuBLAS and the separate norm and activation kernels): ``*_cublas_ms``.
   ``--tune-linear SHAPE`` first picks those kernels' configurations for
   the shape's projections (``bench/linear_kernels.py``).
 
@@ -153,11 +153,12 @@ def main(argv=None) -> dict:
     ar_s = forward_s(worker, 1, args.context, kv_block, args.replays)
     verify_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
     step_s = ar_decode_s(llm, args.steps)
-    ar_cublas_s = None
+    ar_cublas_s = verify_cublas_s = None
     if ops._linear is not None and dev.type == "cuda":
         skinny, ops._linear = ops._linear, None
         try:
             ar_cublas_s = forward_s(worker, 1, args.context, kv_block, args.replays)
+            verify_cublas_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
         finally:
             ops._linear = skinny
     report = {
@@ -170,6 +171,7 @@ def main(argv=None) -> dict:
         "forward_ar_of_copy_bandwidth": round(step_bytes / ar_s / bandwidth, 3),
         "forward_ar_cublas_ms": ar_cublas_s and round(1000 * ar_cublas_s, 4),
         "forward_ar_cublas_of_copy_bandwidth": ar_cublas_s and round(step_bytes / ar_cublas_s / bandwidth, 3),
+        f"forward_verify{args.block}_cublas_ms": verify_cublas_s and round(1000 * verify_cublas_s, 4),
         "engine_ar_ms_per_token": round(1000 * step_s, 4), "engine_ar_tok_s": round(1 / step_s, 1),
         "engine_ar_of_copy_bandwidth": round(step_bytes / step_s / bandwidth, 3),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),

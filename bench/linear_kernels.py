@@ -1,7 +1,7 @@
-"""A decoder layer's projections at one row (a batch-1 decode step): the
-few-row kernels (``kernels/linear_triton.py``) against cuBLAS with the
-separate norm and activation kernels, per projection of a model's shape,
-one run:
+"""A decoder layer's projections at one row (a batch-1 decode step) and at
+16 (a verify block): the few-row kernels (``kernels/linear_triton.py``)
+against cuBLAS with the separate norm and activation kernels, per
+projection of a model's shape, one run:
 
 * each projection as the model runs it: QKV and gate/up with the norm
   before them (``norm_linear``), o (``linear``), down with ``silu * up``
@@ -34,6 +34,7 @@ SHAPES = {"qwen3-8b": (4096, 32, 8, 128, 12288), "qwen3-32b": (5120, 64, 8, 128,
           "smollm2-135m": (576, 9, 3, 64, 1536)}
 GRID = [(bn, bk, w, 3) for (bn, bk), w in itertools.product(
     [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 128), (32, 256)], [4, 8])]
+GRID_DOT = [(bn, bk, 4, s) for bn, bk, s in itertools.product([16, 32, 64], [64, 128, 256], [3, 4])]
 
 
 def projections(shape: str) -> list[tuple[str, int, int, int]]:
@@ -87,7 +88,7 @@ def bench_projection(kind: int, N: int, K: int, rows: int, dtype, grid, bandwidt
 
     calls = 2 * copies
     ref_us = call_us(reference, calls)
-    key = (N, K, triton_pow2(rows))
+    key = (N, K, linear_triton._block_m(rows))
     tried = []
     for cfg in grid:
         linear_triton.CONFIGS[key] = cfg
@@ -122,25 +123,25 @@ def fused_silu(x):
     return ops.silu_mul(x)
 
 
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def tune(shape: str, dtype=torch.bfloat16, rows: int = 1, grid=None, bandwidth: float | None = None) -> dict:
-    """Each projection of ``shape``: the fastest configuration of ``grid``
-    (set in ``linear_triton.CONFIGS`` for this process) against cuBLAS."""
+def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16), grid=None, bandwidth: float | None = None) -> dict:
+    """Each projection of ``shape`` at each of ``rows``: the fastest
+    configuration of ``grid`` (by default the grid of that many rows' kind;
+    set in ``linear_triton.CONFIGS`` for this process) against cuBLAS."""
     bandwidth = bandwidth or copy_bandwidth("cuda")
     out = {}
-    for name, kind, N, K in projections(shape):
-        out[name] = bench_projection(kind, N, K, rows, dtype, GRID if grid is None else grid, bandwidth)
-        print(name, json.dumps(out[name]), file=sys.stderr)
+    for m in rows:
+        default_grid = GRID if m <= linear_triton.DOT_ROWS else GRID_DOT
+        for name, kind, N, K in projections(shape):
+            out[f"{name}@{m}"] = r = bench_projection(kind, N, K, m, dtype, default_grid if grid is None else grid,
+                                                      bandwidth)
+            print(name, json.dumps(r), file=sys.stderr)
     return out
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tune", action="store_true", help="sweep the configuration grid (else the defaults)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -148,13 +149,16 @@ def main(argv=None) -> dict:
         raise SystemExit("needs a CUDA GPU")
     bandwidth = copy_bandwidth("cuda")
     per = tune(args.shape, rows=args.rows, grid=None if args.tune else [], bandwidth=bandwidth)
-    kernel_us = sum(v["kernel_us"] for v in per.values())
-    ref_us = sum(v["cublas_unfused_us"] for v in per.values())
+    layer = {}
+    for m in args.rows:
+        mine = [v for v in per.values() if v["rows"] == m]
+        kernel_us, ref_us = sum(v["kernel_us"] for v in mine), sum(v["cublas_unfused_us"] for v in mine)
+        layer[m] = {"kernel_us": round(kernel_us, 2), "cublas_unfused_us": round(ref_us, 2),
+                    "kernel_over_cublas": round(kernel_us / ref_us, 3)}
     report = {"shape": args.shape, "rows": args.rows, "device": torch.cuda.get_device_name(),
-              "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "projections": per,
-              "layer_kernel_us": round(kernel_us, 2), "layer_cublas_unfused_us": round(ref_us, 2),
-              "layer_kernel_over_cublas": round(kernel_us / ref_us, 3),
-              "configs": {f"({v['N']}, {v['K']}, {triton_pow2(v['rows'])})": v["config"] for v in per.values()},
+              "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "projections": per, "layer": layer,
+              "configs": {f"({v['N']}, {v['K']}, {linear_triton._block_m(v['rows'])})": v["config"]
+                          for v in per.values()},
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}
     print(json.dumps(report, indent=2))
     write_report(args.out, report)

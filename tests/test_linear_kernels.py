@@ -65,7 +65,7 @@ def _check(device, dtype, kind, M, N, K, bias=False, residual=False):
     assert_close_rows(got, want)
 
 
-CASES = [(1, 4096, 4096), (3, 6144, 576), (4, 1000, 100), (2, 96, 1536)]
+CASES = [(1, 4096, 4096), (3, 6144, 576), (4, 1000, 100), (2, 96, 1536), (16, 1536, 576), (7, 640, 4096)]
 
 
 @gpu
@@ -73,15 +73,15 @@ CASES = [(1, 4096, 4096), (3, 6144, 576), (4, 1000, 100), (2, 96, 1536)]
 @pytest.mark.parametrize("M,N,K", CASES)
 @pytest.mark.parametrize("kind", ["plain", "norm", "norm_residual", "silu"])
 def test_skinny_linear_gpu(dtype, M, N, K, kind):
-    _check(_cuda(), dtype, kind.split("_")[0], M, N, K, bias=M == 3, residual=kind.endswith("residual"))
+    _check(_cuda(), dtype, kind.split("_")[0], M, N, K, bias=M in (3, 7, 6), residual=kind.endswith("residual"))
 
 
 @interp
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K", [(1, 40, 256), (3, 67, 100)])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 256), (3, 67, 100), (16, 48, 96), (6, 64, 256)])
 @pytest.mark.parametrize("kind", ["plain", "norm", "norm_residual", "silu"])
 def test_skinny_linear_interp(dtype, M, N, K, kind):
-    _check("cpu", dtype, kind.split("_")[0], M, N, K, bias=M == 3, residual=kind.endswith("residual"))
+    _check("cpu", dtype, kind.split("_")[0], M, N, K, bias=M in (3, 7, 6), residual=kind.endswith("residual"))
 
 
 @gpu
