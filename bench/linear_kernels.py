@@ -33,8 +33,8 @@ from specray.kernels import linear_triton
 SHAPES = {"qwen3-8b": (4096, 32, 8, 128, 12288), "qwen3-32b": (5120, 64, 8, 128, 25600),
           "smollm2-135m": (576, 9, 3, 64, 1536)}
 GRID = [(bn, bk, w, 3) for (bn, bk), w in itertools.product(
-    [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 128), (32, 256)], [4, 8])]
-GRID_DOT = [(bn, bk, 4, s) for bn, bk, s in itertools.product([16, 32, 64], [64, 128, 256], [3, 4])]
+    [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)], [4, 8])]
+GRID_DOT = [(bn, bk, 4, s) for bn, bk, s in itertools.product([32, 64], [64, 128, 256], [3, 4])]
 
 
 def projections(shape: str) -> list[tuple[str, int, int, int]]:
