@@ -32,9 +32,7 @@ from specray.kernels import linear_triton
 # hidden, q heads, kv heads, head dim, intermediate
 SHAPES = {"qwen3-8b": (4096, 32, 8, 128, 12288), "qwen3-32b": (5120, 64, 8, 128, 25600),
           "smollm2-135m": (576, 9, 3, 64, 1536)}
-GRID = [(bn, bk, w, 3) for (bn, bk), w in itertools.product(
-    [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)], [4, 8])]
-GRID_DOT = [(bn, bk, 4, s) for bn, bk, s in itertools.product([32, 64], [64, 128, 256], [3, 4])]
+GRID = [(bn, bk, 4, st) for bn, bk, st in itertools.product([16, 32, 64], [64, 128, 256, 512], [3, 4])]
 
 
 def projections(shape: str) -> list[tuple[str, int, int, int]]:
@@ -88,7 +86,7 @@ def bench_projection(kind: int, N: int, K: int, rows: int, dtype, grid, bandwidt
 
     calls = 2 * copies
     ref_us = call_us(reference, calls)
-    key = (N, K, linear_triton._block_m(rows))
+    key = (N, K)
     tried = []
     for cfg in grid:
         linear_triton.CONFIGS[key] = cfg
@@ -96,13 +94,15 @@ def bench_projection(kind: int, N: int, K: int, rows: int, dtype, grid, bandwidt
             tried.append((call_us(kernel, calls), cfg))
         except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
             print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
-    linear_triton.CONFIGS.pop(key, None)
+    kept = linear_triton.CONFIGS.pop(key, None)
+    if not grid and kept:  # not tuning here: measure what is set
+        linear_triton.CONFIGS[key] = kept
     default_us = call_us(kernel, calls)
-    best_us, best = min(tried) if tried else (default_us, linear_triton.config(N, K, rows))
+    best_us, best = min(tried) if tried else (default_us, linear_triton.config(N, K))
     if best_us < default_us:
         linear_triton.CONFIGS[key] = best
     else:
-        best_us, best = default_us, linear_triton.config(N, K, rows)
+        best_us, best = default_us, linear_triton.config(N, K)
     ideal_us = 1e6 * wbytes / bandwidth
     return {"N": N, "K": K, "rows": rows, "weight_MB": round(wbytes / 1e6, 1),
             "kernel_us": round(best_us, 2), "config": list(best), "default_config_us": round(default_us, 2),
@@ -123,17 +123,17 @@ def fused_silu(x):
     return ops.silu_mul(x)
 
 
-def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16), grid=None, bandwidth: float | None = None) -> dict:
-    """Each projection of ``shape`` at each of ``rows``: the fastest
-    configuration of ``grid`` (by default the grid of that many rows' kind;
-    set in ``linear_triton.CONFIGS`` for this process) against cuBLAS."""
+def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16, 64, 128), grid=None, bandwidth: float | None = None) -> dict:
+    """Each projection of ``shape``: the fastest configuration of ``grid``
+    at the first of ``rows`` (set in ``linear_triton.CONFIGS`` for this
+    process), then that configuration at the other row counts; each against
+    cuBLAS."""
     bandwidth = bandwidth or copy_bandwidth("cuda")
     out = {}
-    for m in rows:
-        default_grid = GRID if m <= linear_triton.DOT_ROWS else GRID_DOT
+    for i, m in enumerate(rows):
         for name, kind, N, K in projections(shape):
-            out[f"{name}@{m}"] = r = bench_projection(kind, N, K, m, dtype, default_grid if grid is None else grid,
-                                                      bandwidth)
+            g = (GRID if grid is None else grid) if i == 0 else []
+            out[f"{name}@{m}"] = r = bench_projection(kind, N, K, m, dtype, g, bandwidth)
             print(name, json.dumps(r), file=sys.stderr)
     return out
 
@@ -141,7 +141,7 @@ def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16), grid=None, bandwidth: f
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128], help="tuned at the first")
     p.add_argument("--tune", action="store_true", help="sweep the configuration grid (else the defaults)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -157,8 +157,7 @@ def main(argv=None) -> dict:
                     "kernel_over_cublas": round(kernel_us / ref_us, 3)}
     report = {"shape": args.shape, "rows": args.rows, "device": torch.cuda.get_device_name(),
               "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "projections": per, "layer": layer,
-              "configs": {f"({v['N']}, {v['K']}, {linear_triton._block_m(v['rows'])})": v["config"]
-                          for v in per.values()},
+              "configs": {f"({v['N']}, {v['K']})": v["config"] for v in per.values() if v["rows"] == args.rows[0]},
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}
     print(json.dumps(report, indent=2))
     write_report(args.out, report)

@@ -6,7 +6,9 @@ The kernel sums each output in fp32 in its own order (cuBLAS in another),
 and its norm's statistics may differ from the reference's by an fp32 ulp:
 outputs are checked at most two units in the last place of their row's
 largest value apart and >= 99 % identical. The residual stream is one
-rounded add: exact."""
+rounded add: exact. A row's bits must not depend on the rows beside it,
+nor (on the GPU, whose tensor cores sum 16 columns at a time in order) on
+the kernel's tile widths."""
 
 from __future__ import annotations
 
@@ -48,14 +50,22 @@ def _check(device, dtype, kind, M, N, K, bias=False, residual=False):
     ref, kern = _modules()
     g, x, w, b = _inputs(device, dtype, M, N, K, M * 101 + N + K, bias, gate_up=kind == "silu")
     x0 = x.clone()
+    r = torch.randn(M, K, generator=g).to(device, dtype) if residual else None
+    norm_w = (1 + 0.2 * torch.randn(K, generator=g)).to(device, dtype)
+
+    def run(rows, res):
+        if kind == "plain":
+            return kern.linear(rows, w, b), None
+        if kind == "silu":
+            return kern.silu_mul_linear(rows, w, b), None
+        return kern.norm_linear(rows, norm_w, 1e-6, res, w, b)
+
+    got, s = run(x, r)
     if kind == "plain":
-        got, want = kern.linear(x, w, b), ref.linear(x, w, b)
+        want = ref.linear(x, w, b)
     elif kind == "silu":
-        got, want = kern.silu_mul_linear(x, w, b), ref.silu_mul_linear(x, w, b)
+        want = ref.silu_mul_linear(x, w, b)
     else:
-        r = torch.randn(M, K, generator=g).to(device, dtype) if residual else None
-        norm_w = (1 + 0.2 * torch.randn(K, generator=g)).to(device, dtype)
-        got, s = kern.norm_linear(x, norm_w, 1e-6, r, w, b)
         want, s_ref = ref.norm_linear(x, norm_w, 1e-6, r, w, b)
         if r is None:
             assert s is x
@@ -63,9 +73,11 @@ def _check(device, dtype, kind, M, N, K, bias=False, residual=False):
             torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
     assert torch.equal(x, x0), "the input was written"
     assert_close_rows(got, want)
+    assert torch.equal(run(x[-1:], r if r is None else r[-1:])[0], got[-1:]), "a row's bits depend on the others"
+    return run, x, r, got
 
 
-CASES = [(1, 4096, 4096), (3, 6144, 576), (4, 1000, 100), (2, 96, 1536), (16, 1536, 576), (7, 640, 4096)]
+CASES = [(1, 4096, 4096), (3, 6144, 576), (4, 1000, 100), (2, 96, 1536), (16, 1536, 576), (37, 640, 4096)]
 
 
 @gpu
@@ -73,15 +85,27 @@ CASES = [(1, 4096, 4096), (3, 6144, 576), (4, 1000, 100), (2, 96, 1536), (16, 15
 @pytest.mark.parametrize("M,N,K", CASES)
 @pytest.mark.parametrize("kind", ["plain", "norm", "norm_residual", "silu"])
 def test_skinny_linear_gpu(dtype, M, N, K, kind):
-    _check(_cuda(), dtype, kind.split("_")[0], M, N, K, bias=M in (3, 7, 6), residual=kind.endswith("residual"))
+    _check(_cuda(), dtype, kind.split("_")[0], M, N, K, bias=M in (3, 37, 21), residual=kind.endswith("residual"))
 
 
 @interp
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K", [(1, 40, 256), (3, 67, 100), (16, 48, 96), (6, 64, 256)])
+@pytest.mark.parametrize("M,N,K", [(1, 200, 256), (3, 67, 100), (16, 48, 96), (21, 64, 256)])
 @pytest.mark.parametrize("kind", ["plain", "norm", "norm_residual", "silu"])
 def test_skinny_linear_interp(dtype, M, N, K, kind):
-    _check("cpu", dtype, kind.split("_")[0], M, N, K, bias=M in (3, 7, 6), residual=kind.endswith("residual"))
+    _check("cpu", dtype, kind.split("_")[0], M, N, K, bias=M in (3, 37, 21), residual=kind.endswith("residual"))
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["plain", "norm_residual", "silu"])
+def test_skinny_linear_bits_do_not_depend_on_the_tile_widths_gpu(kind, monkeypatch):
+    _, kern = _modules()
+    N, K = 320, 1024
+    run, x, r, got = _check(_cuda(), torch.bfloat16, kind.split("_")[0], 20, N, K,
+                            residual=kind.endswith("residual"))
+    for cfg in [(32, 64, 4, 3), (64, 512, 4, 4), (16, 128, 4, 2)]:
+        monkeypatch.setitem(kern.CONFIGS, (N, K), cfg)
+        assert torch.equal(run(x, r)[0], got), cfg
 
 
 @gpu
