@@ -98,6 +98,7 @@ class SpecRayServer(GrpcService):
         from specray.async_engine import AsyncEngine
         from specray.config import TargetSpec
         from specray.detokenizer import load_tokenizer, max_prompt_bytes, max_prompt_chars
+        from specray.engine_loop import freeze_startup_heap
         from specray.llm import resolve_max_model_len
         from specray.serve.loopback import bind_replica_server_to_node_ip
         from specray.serve.metrics import ServeMetrics
@@ -125,6 +126,9 @@ class SpecRayServer(GrpcService):
         self.features = self.engine.stats().get("features", {})
         # Serve reads this from the environment Ray started with (`specray serve` sets it, docs/serving.md).
         self.http_ingress = "direct" if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" else "proxy"
+        # Ray, Serve, FastAPI and the tokenizer leave ~400k objects here; a
+        # full collection walked them all (180 ms on a CI core) mid-stream.
+        freeze_startup_heap()
         log.info("specray replica ready: model %s, backend %s, tp %d, drafter %s (%s), in-flight bound %d, "
                  "HTTP %s", self.model_name, s.backend, s.tensor_parallel_size, config.drafter,
                  s.drafter_placement, self.limit, self.http_ingress)
