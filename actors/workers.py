@@ -56,6 +56,7 @@ from specray.actors.messages import (
 )
 from specray.config import DrafterSpec, EngineConfig, TargetSpec
 from specray.draft_tree import load_universe
+from specray.engine_loop import freeze_startup_heap
 from specray.draft_tree import unsupported as tree_unsupported
 from specray.plan import DraftBatch, DraftOutput, TargetBatch
 
@@ -247,6 +248,7 @@ class DrafterActor:
     @exit_on_failure
     def serve(self) -> int:
         """Serve rank 0 until it says stop; returns the steps served."""
+        freeze_startup_heap()  # a full collection of the loaded heap stalled the steps waiting on this one
         while True:
             cmd, ts = recv_message(self.channel, HOST_CMDS)
             if cmd == CMD_STOP:
@@ -373,6 +375,7 @@ class TargetRank:
         graphs, shared = {}, {}
         block = self.config.draft_block_size(self.drafter_spec.block_size) if self.drafter_spec else 1
         settings = StepSettings.make(self.config, block, self.max_model_len, None)
+        freeze_startup_heap()
         while True:
             cmd, ts = receive_broadcast(self.tp_group, self.device, host_cmds=HOST_CMDS)
             if cmd == CMD_STOP:
