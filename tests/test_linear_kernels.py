@@ -144,6 +144,22 @@ def test_skinny_linear_captures_in_a_cuda_graph_gpu():
 @gpu
 @pytest.mark.parametrize("rows", [1, 3])
 def test_target_decode_rows_skinny_vs_cublas_gpu(tmp_path, rows, monkeypatch):
+    _check_decode_rows(tmp_path, _cuda(), rows, monkeypatch)
+
+
+@interp
+def test_target_decode_rows_skinny_vs_reference_interp(tmp_path, monkeypatch):
+    """The model's wiring of the kernels (the residual stream, taps, the
+    MLP) run in the interpreter: the CPU's ops routed to them."""
+    from specray.kernels import ops
+
+    _, kern = _modules()
+    monkeypatch.setattr(ops, "_linear", kern)
+    monkeypatch.setattr(ops, "_skinny_ok", lambda x, w: ops._linear is not None and 0 < x.shape[0] <= 4)
+    _check_decode_rows(tmp_path, "cpu", 3, monkeypatch)
+
+
+def _check_decode_rows(tmp_path, device, rows, monkeypatch):
     """A bf16 target's decode forward of a few rows (the kernels' case)
     against the same forward through cuBLAS and the unfused norms."""
     from factories import make_target
@@ -153,11 +169,10 @@ def test_target_decode_rows_skinny_vs_cublas_gpu(tmp_path, rows, monkeypatch):
     from specray.kernels import ops
     from specray.plan import AttentionMetadata, TargetBatch
 
-    _cuda()
     make_target(tmp_path, "qwen3", seed=5, hidden_size=384, intermediate_size=768, num_attention_heads=6,
                 num_key_value_heads=2, head_dim=64, num_hidden_layers=4, vocab_size=512)
     spec = TargetSpec.from_dir(tmp_path)
-    worker = TargetWorker(spec, device="cuda", dtype="bfloat16", max_model_len=256, tap_layer_ids=(0, 2, 3))
+    worker = TargetWorker(spec, device=device, dtype="bfloat16", max_model_len=256, tap_layer_ids=(0, 2, 3))
     worker.init_cache(num_blocks=64, block_size=16)
     alloc, ctx = BlockAllocator(64, 16), 40
     tables = [BlockTable(alloc) for _ in range(rows)]
@@ -176,7 +191,11 @@ def test_target_decode_rows_skinny_vs_cublas_gpu(tmp_path, rows, monkeypatch):
                              block_table_tensor([t.blocks for t in tables]), 1, ctx + 1)
     batch = TargetBatch(ids, attn, torch.arange(rows), want_hidden=True)
     assert ops._linear is not None
+    calls = []
+    monkeypatch.setattr(ops._linear, "_launch", lambda *a, _launch=ops._linear._launch, **k: calls.append(1) or
+                        _launch(*a, **k))
     logits, hidden = worker.execute(batch), worker.last_hidden.clone()
+    assert len(calls) == 4 * 4  # every projection of every layer ran in the kernels
     monkeypatch.setattr(ops, "_linear", None)
     logits_ref, hidden_ref = worker.execute(batch), worker.last_hidden
     assert (hidden - hidden_ref).abs().max() <= 0.02 * hidden_ref.abs().max()
