@@ -7,10 +7,11 @@ what verifying a block costs against one autoregressive row, one run:
   context of ``--context`` tokens: CUDA events around ``--replays`` replays;
 * the engine's whole autoregressive step at batch 1 (asynchronous step
   graphs: forward, sampling, the host's apply), wall time per token;
-* the AR and verify forwards again with the few-row projection kernels off
-  (cuBLAS and the separate norm and activation kernels): ``*_cublas_ms``.
-  ``--tune-linear SHAPE`` first picks those kernels' configurations for
-  the shape's projections (``bench/linear_kernels.py``).
+* with ``--tune-linear SHAPE``, the few-row projection kernels on (their
+  configurations tuned first for the shape's projections,
+  ``bench/linear_kernels.py``), and the AR and verify forwards again with
+  them off (cuBLAS and the separate norm and activation kernels):
+  ``*_cublas_ms``.
 
 Bytes read a step are the weights (less an untied embedding table, of
 which a step reads one row) plus the context's K/V. ``of_copy_bandwidth`` is those bytes
@@ -129,15 +130,18 @@ def main(argv=None) -> dict:
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kernels", action="store_true", help="add the AR forward's kernels (torch profiler)")
-    p.add_argument("--tune-linear", default="", help="a linear_kernels.py shape: tune the few-row kernels first")
+    p.add_argument("--tune-linear", default="", help="a linear_kernels.py shape: turn the few-row kernels on "
+                   "(ops.FEW_ROW_KERNELS) and tune them first")
+    p.add_argument("--quick-tune", action="store_true", help="a smaller tuning grid")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     target = resolve_target(args)
     linear = {}
     if args.tune_linear:
-        from linear_kernels import tune
+        from linear_kernels import GRID_QUICK, tune
 
-        linear = tune(args.tune_linear)
+        ops.FEW_ROW_KERNELS = True
+        linear = tune(args.tune_linear, rows=(1, args.block), grid=GRID_QUICK if args.quick_tune else None)
     llm = LLM(target, None, device=args.device, dtype=args.dtype, max_model_len=args.context + 2 * args.block + 256,
               max_num_seqs=4, gpu_memory_utilization=0.5)
     core = llm.engine
@@ -154,13 +158,13 @@ def main(argv=None) -> dict:
     verify_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
     step_s = ar_decode_s(llm, args.steps)
     ar_cublas_s = verify_cublas_s = None
-    if ops._linear is not None and dev.type == "cuda":
-        skinny, ops._linear = ops._linear, None
+    if ops.FEW_ROW_KERNELS and dev.type == "cuda":
+        ops.FEW_ROW_KERNELS = False
         try:
             ar_cublas_s = forward_s(worker, 1, args.context, kv_block, args.replays)
             verify_cublas_s = forward_s(worker, args.block, args.context, kv_block, args.replays)
         finally:
-            ops._linear = skinny
+            ops.FEW_ROW_KERNELS = True
     report = {
         "target": target, "device": str(dev), "dtype": args.dtype, "context": args.context,
         "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),

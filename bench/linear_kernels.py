@@ -33,6 +33,7 @@ from specray.kernels import linear_triton
 SHAPES = {"qwen3-8b": (4096, 32, 8, 128, 12288), "qwen3-32b": (5120, 64, 8, 128, 25600),
           "smollm2-135m": (576, 9, 3, 64, 1536)}
 GRID = [(bn, bk, 4, st) for bn, bk, st in itertools.product([16, 32, 64], [64, 128, 256, 512], [3, 4])]
+GRID_QUICK = [(bn, bk, 4, 4) for bn, bk in itertools.product([16, 32, 64], [128, 256])]
 
 
 def projections(shape: str) -> list[tuple[str, int, int, int]]:
@@ -123,7 +124,7 @@ def fused_silu(x):
     return ops.silu_mul(x)
 
 
-def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16, 64, 128), grid=None, bandwidth: float | None = None) -> dict:
+def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16), grid=None, bandwidth: float | None = None) -> dict:
     """Each projection of ``shape``: the fastest configuration of ``grid``
     at the first of ``rows`` (set in ``linear_triton.CONFIGS`` for this
     process), then that configuration at the other row counts; each against
@@ -141,7 +142,8 @@ def tune(shape: str, dtype=torch.bfloat16, rows=(1, 16, 64, 128), grid=None, ban
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128], help="tuned at the first")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="tuned at the first (at most "
+                   f"{linear_triton.MAX_ROWS})")
     p.add_argument("--tune", action="store_true", help="sweep the configuration grid (else the defaults)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)

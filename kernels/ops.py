@@ -3,6 +3,8 @@ PyTorch reference otherwise. Models call these names only."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specray.kernels import fused
@@ -103,11 +105,18 @@ def silu_mul(gate_up):
     return (_fused.silu_mul if _fused_ok(gate_up) else fused.silu_mul)(gate_up)
 
 
+# Opt-in: the few-row projection kernels lost to cuBLAS and the glue kernels
+# on SmolLM2's shapes (H100, 1.5x a layer's projection time at one row,
+# results/h100_linear_kernels_smollm2.json); on the 8B shape not measured yet.
+FEW_ROW_KERNELS = os.environ.get("SPECRAY_FEW_ROW_KERNELS") == "1"
+
+
 def _skinny_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """A few rows (a decode step's): one kernel streams the weight and
-    builds its input rows (``linear_triton``); more rows go to cuBLAS."""
-    return (_linear is not None and x.is_cuda and x.dtype in _FUSED_DTYPES and w.dtype == x.dtype
-            and 0 < x.shape[0] <= _linear.MAX_ROWS and x.dim() == 2 and w.is_contiguous())
+    """A few rows (a decode step's, a verify block's): one kernel streams
+    the weight and builds its input rows (``linear_triton``); more rows go
+    to cuBLAS."""
+    return (FEW_ROW_KERNELS and _linear is not None and x.is_cuda and x.dtype in _FUSED_DTYPES
+            and w.dtype == x.dtype and 0 < x.shape[0] <= _linear.MAX_ROWS and x.dim() == 2 and w.is_contiguous())
 
 
 def linear(x, w, b=None):
