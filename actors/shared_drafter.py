@@ -17,10 +17,11 @@ Only proposals that a single batch would compute alike are merged (same
 block width, tree or not, the same sampling kind; ``merge_key``), so each
 replica's drafts are what a drafter of its own gives it.
 
-Synchronous steps only: an async step graph mirrors one engine's state on
-the drafter side (step_peers.py), one per replica is not built. The rank-0
-side (``SharedRemoteDrafter``) says so, and the engine runs synchronous
-steps (``EngineCore.features`` names the reason).
+Asynchronous steps: each replica's halves of its step graphs
+(``step_peers.DrafterReplays``: the mirrored state of that replica's
+engine) are the replica's own, replayed under the model's lock with its
+draft block tables moved to its partition. Those replays are not merged
+across replicas: a step graph exchanges with one rank 0 inside its replay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specray.actors.messages import (
+    CMD_ASYNC,
     CMD_CONTEXT,
     CMD_DRAFTS,
     CMD_PROPOSE,
@@ -41,9 +43,11 @@ from specray.actors.messages import (
     pack_draft_output,
     unpack_draft_batch,
 )
+from specray.actors.step_parts import StepSettings
+from specray.actors.step_peers import FLUSH, DrafterReplays, decode_control
 from specray.actors.target import kv_capacity
 from specray.actors.transport import recv_message
-from specray.actors.workers import RemoteDrafter, drafter_channel, load_drafter, node_id
+from specray.actors.workers import drafter_channel, load_drafter, node_id
 from specray.config import EngineConfig
 from specray.draft_tree import DraftTree
 from specray.plan import DraftBatch, DraftOutput
@@ -54,7 +58,6 @@ log = logging.getLogger("specray.shared_drafter")
 # A replica that proposed within this many seconds is expected to again soon.
 ACTIVE_S = 1.0
 
-ASYNC_UNSUPPORTED = "a drafter shared by several replicas (N:1) serves synchronous steps only"
 
 
 # ------------------------------------------------------- batches of replicas
@@ -188,16 +191,6 @@ class ProposeBatcher:
             p.done.set()
 
 
-# -------------------------------------------------------------- rank 0's side
-class SharedRemoteDrafter(RemoteDrafter):
-    """Rank 0's stand-in for a shared drafter: the synchronous protocol of
-    ``RemoteDrafter``; no step graphs (``EngineCore`` then runs synchronous
-    steps and says why in its features)."""
-
-    runs_step_graphs = False
-    step_graphs_unsupported = ASYNC_UNSUPPORTED
-
-
 # ------------------------------------------------------------------ the actor
 class SharedDrafterActor:
     def __init__(self, config: EngineConfig, max_model_len: int, num_replicas: int, gather_s: float = 0.0):
@@ -212,6 +205,9 @@ class SharedDrafterActor:
         self.model_lock = threading.Lock()
         self.batcher = ProposeBatcher(self.worker.propose, self.model_lock, gather_s,
                                       self._active)
+        self.step_settings = StepSettings.make(config, config.draft_block_size(self.spec.block_size), max_model_len,
+                                               self.spec.mask_token_id)
+        self.replays: list[DrafterReplays | None] = [None] * num_replicas
 
     def _active(self) -> int:
         """Replicas worth waiting for: connected, and proposing lately (an
@@ -246,6 +242,7 @@ class SharedDrafterActor:
         if not 0 <= replica < self.num_replicas:
             raise ValueError(f"replica {replica} of a drafter serving {self.num_replicas}")
         self.channels[replica] = drafter_channel(kind, 1, self.device, address, unique_id)
+        self.replays[replica] = None  # a rebuilt group's engine starts its step graphs afresh
 
     def serve_replica(self, replica: int) -> int:
         """Serve ``replica``'s rank 0 until it says stop; returns the
@@ -269,14 +266,29 @@ class SharedDrafterActor:
                     out = self.batcher(offset_batch(unpack_draft_batch(ts), base))
                     channel.send(CMD_DRAFTS, pack_draft_output(out))
                     self.steps[replica] += 1
+                elif cmd == CMD_ASYNC:
+                    self._replay(replica, channel, base, ts)
                 else:
-                    raise RuntimeError(f"command {cmd}: {ASYNC_UNSUPPORTED}")
+                    raise RuntimeError(f"command {cmd} is not a drafter's")
         except BaseException:
             log.exception("the drafter's loop of replica %d failed", replica)
             raise
         finally:
             if self.channels[replica] is channel:
                 self.channels[replica] = None  # its pair closes with the last reference
+
+    def _replay(self, replica: int, channel, base: int, ts) -> None:
+        """A replay of ``replica``'s step graphs, its draft block tables
+        moved into its partition (the graphs derive every slot from them)."""
+        if self.replays[replica] is None:
+            width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
+            self.replays[replica] = DrafterReplays(self.worker, self.step_settings, channel, width)
+        w, inputs = decode_control(ts)
+        if "draft_tables" in inputs:
+            inputs["draft_tables"] = inputs["draft_tables"] + base
+        with self.model_lock, torch.inference_mode():
+            self.replays[replica].replay(w, inputs)
+        self.steps[replica] += w.kind != FLUSH
 
     def stats(self) -> dict:
         return {"replicas": self.num_replicas, "blocks_per_replica": self.blocks_per_replica,

@@ -418,15 +418,7 @@ class TargetRank:
         elif drafter_mode == "separate":
             channel = drafter_channel(channel_kind, 0, self.device, address, unique_id,
                                       timeout_s=self.config.drafter_timeout_s)
-            if shared:
-                from specray.actors.shared_drafter import ASYNC_UNSUPPORTED, SharedRemoteDrafter, log
-
-                drafter = SharedRemoteDrafter(channel, self.device)
-                if self.config.async_scheduling:
-                    log.warning("async_scheduling is on, but %s: this replica runs synchronous steps",
-                                ASYNC_UNSUPPORTED)
-            else:
-                drafter = RemoteDrafter(channel, self.device)
+            drafter = RemoteDrafter(channel, self.device)
             if drafter_handle is not None and not shared:
                 restart = RemoteDrafterRestart(drafter_handle, self.config, self.max_model_len, num_draft_blocks,
                                                channel_kind, placement_group, drafter_bundle, self.device,

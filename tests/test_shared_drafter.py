@@ -170,7 +170,7 @@ def test_two_replicas_share_one_drafter(cluster):
 
     with shared_replicas(root, KW, gather_ms=20) as (shared, llms):
         features = llms[0].stats()["features"]
-        assert not features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
+        assert features["draft_tree"]["on"], features
         for name, params in params_sets():
             steps = [None, None]
             assert generate_at_once(llms, params, steps) == want[name], name
@@ -190,20 +190,52 @@ def test_two_replicas_share_one_drafter(cluster):
         assert sum(o.metrics.num_draft_tokens for o in got) > 0
 
 
-def test_async_config_runs_synchronous_steps(cluster):
-    """Replicas configured for async step graphs (their eager CPU path, and
-    the drafter's padded propose / store through its decode buffers) run
-    synchronous steps under N:1: the features say why, tokens are still
-    the in-process engine's."""
+def test_two_replicas_share_one_drafter_with_async_steps(cluster):
+    """Replicas running async step graphs (their eager CPU path) with one
+    drafter: each replica's halves of its graphs replay on the drafter in
+    its own partition, and both replicas' tokens, their requests in flight
+    together, are the in-process engine's (greedy, and seeded samples with
+    whole blocks)."""
     root = cluster
     kw = dict(KW, cuda_graphs=True, async_scheduling=True, max_num_seqs=8, adaptive_speculation=False)
-    greedy = params_sets()[0][1]
-    want = inprocess_greedy(root)
+    local = LLM(root / "t", root / "d", cuda_graphs=True, async_scheduling=True, max_num_seqs=8,
+                adaptive_speculation=False)
+    want, want_steps = {}, {}
+    for name, params in params_sets():
+        got = [local.generate(PROMPTS[r], params[r]) for r in range(2)]
+        want[name] = [[o.token_ids for o in g] for g in got]
+        want_steps[name] = [[o.metrics.acceptance_lengths for o in g] for g in got]
+    with shared_replicas(root, kw) as (shared, llms):
+        assert llms[0].stats()["features"]["async_scheduling"]["on"]
+        for name, params in params_sets():
+            steps = [None, None]
+            assert generate_at_once(llms, params, steps) == want[name], name
+            # The drafts too: a replica's context store in another's blocks would change them.
+            assert steps == want_steps[name], name
+        assert all(llm.stats()["num_async_steps"] > 0 for llm in llms)
+        stats = shared.stats()
+        assert all(s > 10 for s in stats["steps"]), stats
+        for llm in llms:
+            st = llm.stats()
+            assert st["drafter"]["state"] == "up" and all(free == cap for free, cap in st["pools"].values())
+
+
+def test_shared_drafter_replays_the_kinds_the_policy_takes(cluster):
+    """The adaptive policy's kinds, forced in turn (whole blocks, shorter
+    chains, autoregressive steps), with two replicas on one drafter: seeded
+    samples are an in-process engine's forced the same way."""
+    root = cluster
+    kw = dict(KW, cuda_graphs=True, async_scheduling=True, max_num_seqs=8, admit_into_chain=False,
+              extra={"policy_turns": [7, 3, 3, 0]})
+    sampled = params_sets()[1][1]
+    # An engine per replica: the forced turns run on from one generate call to the next.
+    want = [[o.token_ids for o in LLM(root / "t", root / "d", **kw).generate(PROMPTS[r], sampled[r])] for r in range(2)]
     with shared_replicas(root, kw) as (_, llms):
-        feature = llms[0].stats()["features"]["async_scheduling"]
-        assert not feature["on"] and "N:1" in feature["reason"], feature
-        assert generate_at_once(llms, greedy) == want
-        assert all(llm.stats()["num_async_steps"] == 0 for llm in llms)
+        assert generate_at_once(llms, sampled) == want
+        for llm in llms:
+            st = llm.stats()
+            assert {"0", "3", "7"} <= set(st["speculation"]["steps_by_drafts"]), st["speculation"]
+            assert st["drafter"]["state"] == "up" and st["num_async_steps"] > 0
 
 
 def test_lost_shared_drafter_replicas_step_on(cluster):
