@@ -145,12 +145,14 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="tuned at the first (at most "
                    f"{linear_triton.MAX_ROWS})")
     p.add_argument("--tune", action="store_true", help="sweep the configuration grid (else the defaults)")
+    p.add_argument("--quick", action="store_true", help="with --tune: a smaller grid")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     bandwidth = copy_bandwidth("cuda")
-    per = tune(args.shape, rows=args.rows, grid=None if args.tune else [], bandwidth=bandwidth)
+    grid = (GRID_QUICK if args.quick else GRID) if args.tune else []
+    per = tune(args.shape, rows=args.rows, grid=grid, bandwidth=bandwidth)
     layer = {}
     for m in args.rows:
         mine = [v for v in per.values() if v["rows"] == m]
