@@ -43,10 +43,14 @@ from specray.staging import host_to_device
 # them; then the state of rows that join a running chain (JOINED).
 UPLOADS = ("start", "last", "real", "budget", "target_tables", "draft_tables", "temperature", "top_p", "top_k",
            "keys", "slot", "history_rows", "history_cols", "history_tokens") + \
-    tuple("join_" + k for k in ("rows", "start", "budget", "temperature", "top_p", "top_k", "keys", "slot", "riding"))
+    tuple("join_" + k for k in ("rows", "start", "budget", "temperature", "top_p", "top_k", "keys", "slot", "riding")) + \
+    ("after_prefill",)
 # JOINED: the lane's previous results were taken already (the joining
 # prompts' context store flushed it); rows join with their state, their
 # first tokens over the data channel, and the step proposes as a first one.
+# A FIRST word with ``after_prefill``: the chain starts at the prefill
+# (chain_admit.chain_from_prefill), its rows' last tokens (the prefill's
+# first tokens, on rank 0's device) follow over the data channel.
 FIRST, CHAINED, FLUSH, JOINED = 0, 1, 2, 3
 
 
@@ -240,4 +244,10 @@ class DrafterReplays:
             first = torch.empty(len(inputs["join_rows"]), dtype=torch.int64, device=dev)
             self.channel.recv_raw([first])
             apply_join(graphs.buffers, inputs, first, self.settings.max_seqs)
+        elif inputs.pop("after_prefill", None) is not None:
+            inputs["last"] = first = torch.empty(w.n, dtype=torch.int64, device=dev)
+            self.channel.recv_raw([first])
+            if "history" in graphs.buffers:  # the first tokens follow the prompts the uploads brought
+                at = host_to_device(torch.stack([inputs["slot"], inputs["start"]]), dev)
+                graphs.buffers["history"].index_put_((at[0], at[1]), first)
         graphs.run(w.n, {k: v for k, v in inputs.items() if k in graphs.buffers})

@@ -169,8 +169,11 @@ class RemoteDrafter:
         first = inputs.pop("join_first", None)
         if word.kind == CHAINED and first is not None and word.lane not in self._pending:
             word = dataclasses.replace(word, kind=JOINED)
+        elif "after_prefill" in inputs:  # the last tokens are the prefill's, on the device: raw, no host copy
+            first = inputs["last"].to(torch.int64)
+            inputs = {k: v for k, v in inputs.items() if k != "last"}
         self.channel.control.send(CMD_ASYNC, encode_control(word, inputs))
-        if word.kind == JOINED:
+        if first is not None:
             self.channel.send_raw([first])
         self._pending[word.lane] = word
 

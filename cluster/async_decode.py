@@ -107,6 +107,8 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
     inputs, uploads = {}, None
     if not chained:
         inputs, uploads = first_inputs(core, requests, first_tokens, mode, graphs)
+        if first_tokens is not None:  # a drafter in another process takes them over its data channel
+            inputs["after_prefill"] = torch.ones(1, dtype=torch.bool)
     else:
         if joined:  # their rows' state is written in place; the others' stays the device's
             apart = getattr(core.drafter, "step_link", None) is not None

@@ -39,8 +39,6 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> async_decode.I
     requests = [p.request for p in plan.prefill]
     if plan.decode or plan.preempted or not requests:
         return None
-    if core.drafter is not None and not getattr(core.drafter, "local_model", False):
-        return None  # the first tokens are on rank 0's device, not the drafter's
     if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
             not core.async_capable(requests):
         return None

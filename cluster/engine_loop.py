@@ -150,6 +150,7 @@ class EngineLoop:
             "num_steps": self.num_steps,
             "num_async_steps": self.engine.num_async_steps,
             "chain_joins": self.engine.num_chain_joins,  # requests admitted into a running chain
+            "prefill_chains": self.engine.num_prefill_chains,  # chains launched from a prefill's device tokens
             "async_wall_s": self.engine.async_wall_s,
             "async_gpu_s": self.engine.async_gpu_s,
             "step_time_s": self.step_time_s,

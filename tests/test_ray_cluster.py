@@ -99,19 +99,28 @@ def test_async_step_graphs_in_every_placement(cluster, tp, placement, lanes):
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True, top_p=0.9 if i % 2 else 1)
                for i, n in enumerate(MAX_TOKENS)]
+    settings = dict(num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8,
+                    overlap=lanes, overlap_min_batch=2, adaptive_speculation=False)
+    local = LLM(cluster / "t", cluster / "d", **settings)
     llm = LLM(cluster / "t", cluster / "d", backend="ray", tensor_parallel_size=tp, drafter_placement=placement,
-              num_kv_blocks=300, kv_block_size=4, cuda_graphs=True, async_scheduling=True, max_num_seqs=8,
-              overlap=lanes, overlap_min_batch=2, adaptive_speculation=False)
+              **settings)
     try:
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["draft_tree"]["on"], features
         assert features["overlap"]["on"] == lanes, features
         assert features["admit_into_chain"]["on"], features  # requests join running chains in every placement
         for params in (greedy, sampled):
-            before = llm.stats()["num_async_steps"]
-            assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)
+            before = llm.stats()
+            got = llm.generate(PROMPTS, params)
+            assert [o.token_ids for o in got] == reference(cluster, params)
+            # The drafts too (a drafter apart given wrong first tokens drafts other ones).
+            steps = [o.metrics.acceptance_lengths for o in local.generate(PROMPTS, params)]
+            assert [o.metrics.acceptance_lengths for o in got] == steps
             stats = llm.stats()
-            assert stats["num_async_steps"] - before > 10, stats
+            assert stats["num_async_steps"] - before["num_async_steps"] > 10, stats
+            # The chain started at the prefill, from its first tokens on rank 0's side (a drafter
+            # apart takes them over its data channel).
+            assert stats["prefill_chains"] - before["prefill_chains"] >= 1, stats
             assert all(free == cap for free, cap in stats["pools"].values())
     finally:
         llm.shutdown()
