@@ -59,7 +59,6 @@ log = logging.getLogger("specray.shared_drafter")
 ACTIVE_S = 1.0
 
 
-
 # ------------------------------------------------------- batches of replicas
 def offset_batch(batch: DraftBatch, base_block: int) -> DraftBatch:
     """The replica's block tables in the shared pool (its blocks start at

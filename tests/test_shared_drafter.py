@@ -6,6 +6,7 @@ partitioned per replica and proposals arriving together run as one
 propose. Also: sizing N from propose / verify times, the batcher alone, a
 lost shared drafter (replicas step on without it), bad configurations."""
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 
 from factories import make_models
 from specray import LLM, ConfigError, SamplingParams
+from specray.async_engine import AsyncEngine
 from specray.actors.shared_drafter import ProposeBatcher, merge, merge_key, offset_batch, split
 from specray.config import EngineConfig
 from specray.plan import DraftBatch, DraftOutput
@@ -236,6 +238,56 @@ def test_shared_drafter_replays_the_kinds_the_policy_takes(cluster):
             st = llm.stats()
             assert {"0", "3", "7"} <= set(st["speculation"]["steps_by_drafts"]), st["speculation"]
             assert st["drafter"]["state"] == "up" and st["num_async_steps"] > 0
+
+
+def test_requests_join_the_chains_of_replicas_sharing_a_drafter(cluster):
+    """Requests arriving while each replica's chain runs join it (JOINED
+    words to the shared drafter, each replica's in its own partition):
+    both replicas' greedy tokens, and seeded samples where every step
+    verifies the whole block (they depend on the drafts), are the
+    in-process engine's."""
+    root = cluster
+    lengths = [80] + MAX_TOKENS[1:]  # the first request's chain runs while the others arrive
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, ignore_eos=True) for i, n in enumerate(lengths)]
+    for params, adaptive in ((greedy, None), (sampled, False)):
+        want = [[o.token_ids for o in LLM(root / "t", root / "d").generate(PROMPTS[r], params)] for r in range(2)]
+        kw = dict(KW, cuda_graphs=True, async_scheduling=True, max_num_seqs=8, adaptive_speculation=adaptive)
+        config = EngineConfig(target=str(root / "t"), drafter=str(root / "d"), **kw)
+        shared = start_shared_drafter(config, 2)
+        engines = []
+        try:
+            engines = [AsyncEngine.from_config(config, "ray", shared_drafter=shared.replica(r)) for r in range(2)]
+            got = asyncio.run(asyncio.wait_for(_staggered_on_both(engines, params), 240))
+            assert [list(g) for g in got] == want
+            for engine in engines:
+                stats = engine.stats()
+                assert stats["chain_joins"] > 0 and stats["drafter"]["losses"] == 0, stats
+                assert all(free == cap for free, cap in stats["pools"].values())
+        finally:
+            for engine in engines:
+                engine.shutdown()
+            shared.shutdown()
+
+
+async def _staggered_on_both(engines, params):
+    """Each replica's first request, then its others once that one's
+    chain runs, both replicas at once; each request's tokens."""
+    async def replica(r):
+        started = asyncio.Event()
+
+        async def one(i):
+            if i:
+                await started.wait()
+                await asyncio.sleep(0.05 * i)
+            out = None
+            async for out in engines[r].generate(PROMPTS[r][i], params[i], request_id=f"r{r}-{i}"):
+                started.set()
+            return out.token_ids
+
+        return await asyncio.gather(*(one(i) for i in range(len(params))))
+
+    return await asyncio.gather(*(replica(r) for r in range(len(engines))))
 
 
 def test_lost_shared_drafter_replicas_step_on(cluster):
