@@ -56,8 +56,8 @@ from specray.actors.messages import (
 )
 from specray.config import DrafterSpec, EngineConfig, TargetSpec
 from specray.draft_tree import load_universe
-from specray.engine_loop import freeze_startup_heap
 from specray.draft_tree import unsupported as tree_unsupported
+from specray.engine_loop import freeze_startup_heap
 from specray.plan import DraftBatch, DraftOutput, TargetBatch
 
 # ------------------------------------------------------- distributed set-up
@@ -251,7 +251,7 @@ class DrafterActor:
     @exit_on_failure
     def serve(self) -> int:
         """Serve rank 0 until it says stop; returns the steps served."""
-        freeze_startup_heap()  # a full collection of the loaded heap stalled the steps waiting on this one
+        freeze_startup_heap()  # else a full collection walks the loaded heap while rank 0's steps wait
         while True:
             cmd, ts = recv_message(self.channel, HOST_CMDS)
             if cmd == CMD_STOP:
