@@ -43,11 +43,10 @@ from specray.actors.messages import (
     pack_draft_output,
     unpack_draft_batch,
 )
-from specray.actors.step_parts import StepSettings
-from specray.actors.step_peers import FLUSH, DrafterReplays, decode_control
+from specray.actors.step_peers import DrafterReplays
 from specray.actors.target import kv_capacity
 from specray.actors.transport import recv_message
-from specray.actors.workers import drafter_channel, load_drafter, node_id
+from specray.actors.workers import drafter_channel, drafter_replays, load_drafter, node_id
 from specray.config import EngineConfig
 from specray.draft_tree import DraftTree
 from specray.plan import DraftBatch, DraftOutput
@@ -204,8 +203,6 @@ class SharedDrafterActor:
         self.model_lock = threading.Lock()
         self.batcher = ProposeBatcher(self.worker.propose, self.model_lock, gather_s,
                                       self._active)
-        self.step_settings = StepSettings.make(config, config.draft_block_size(self.spec.block_size), max_model_len,
-                                               self.spec.mask_token_id)
         self.replays: list[DrafterReplays | None] = [None] * num_replicas
 
     def _active(self) -> int:
@@ -280,14 +277,9 @@ class SharedDrafterActor:
         """A replay of ``replica``'s step graphs, its draft block tables
         moved into its partition (the graphs derive every slot from them)."""
         if self.replays[replica] is None:
-            width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
-            self.replays[replica] = DrafterReplays(self.worker, self.step_settings, channel, width)
-        w, inputs = decode_control(ts)
-        if "draft_tables" in inputs:
-            inputs["draft_tables"] = inputs["draft_tables"] + base
-        with self.model_lock, torch.inference_mode():
-            self.replays[replica].replay(w, inputs)
-        self.steps[replica] += w.kind != FLUSH
+            self.replays[replica] = drafter_replays(self, channel)
+        with self.model_lock:
+            self.steps[replica] += self.replays[replica].replay_message(ts, draft_block_base=base)
 
     def stats(self) -> dict:
         return {"replicas": self.num_replicas, "blocks_per_replica": self.blocks_per_replica,

@@ -220,6 +220,18 @@ class DrafterReplays:
         self.buffers: dict[int, dict] = {}  # by lane
         self.last_block: dict[int, int] = {}  # by lane: the rows a request of the last step replayed there
 
+    def replay_message(self, ts: list[torch.Tensor], draft_block_base: int = 0) -> bool:
+        """Replay the step a ``CMD_ASYNC`` message names; whether it was a
+        step (not a flush). ``draft_block_base``: where the engine's blocks
+        start in a drafter's pool shared by several (its tables move there;
+        the graphs derive every slot from them)."""
+        w, inputs = decode_control(ts)
+        if draft_block_base and "draft_tables" in inputs:
+            inputs["draft_tables"] = inputs["draft_tables"] + draft_block_base
+        with torch.inference_mode():
+            self.replay(w, inputs)
+        return w.kind != FLUSH
+
     def replay(self, w: StepWord, inputs: dict) -> None:
         # A JOINED word's replay is a first step's, on the lane's state with the joined rows written.
         full, kind = self.settings.block_size, FIRST if w.kind == JOINED else w.kind

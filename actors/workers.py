@@ -207,8 +207,9 @@ class RemoteDrafter:
 
 
 def load_drafter(actor, config: EngineConfig, max_model_len: int) -> None:
-    """A drafter actor's device, specs and DrafterWorker (``actor.device``,
-    ``.target_spec``, ``.spec``, ``.worker``)."""
+    """A drafter actor's device, specs, DrafterWorker and the settings of
+    its halves of step graphs (``actor.device``, ``.target_spec``,
+    ``.spec``, ``.worker``, ``.step_settings``)."""
     actor.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
     cpu_threads(actor.device)
     actor.target_spec = TargetSpec.from_dir(config.target)
@@ -217,6 +218,15 @@ def load_drafter(actor, config: EngineConfig, max_model_len: int) -> None:
         actor.spec, actor.target_spec, device=str(actor.device), dtype=config.resolved_dtype,
         max_model_len=max_model_len, draft_top_k=config.draft_top_k,
     )
+    actor.step_settings = StepSettings.make(config, config.draft_block_size(actor.spec.block_size), max_model_len,
+                                            actor.spec.mask_token_id)
+
+
+def drafter_replays(actor, channel) -> DrafterReplays:
+    """A drafter actor's (``load_drafter``) halves of step graphs,
+    exchanging with one rank 0 over ``channel``."""
+    width = len(actor.spec.target_layer_ids) * actor.target_spec.hidden_size
+    return DrafterReplays(actor.worker, actor.step_settings, channel, width)
 
 
 class DrafterActor:
@@ -225,8 +235,6 @@ class DrafterActor:
         load_drafter(self, config, max_model_len)
         self.channel = None
         self.num_steps = 0
-        self.step_settings = StepSettings.make(config, config.draft_block_size(self.spec.block_size), max_model_len,
-                                               self.spec.mask_token_id)
         self._replays: DrafterReplays | None = None  # its halves of step graphs, made on first use
 
     def node_id(self) -> str:
@@ -265,12 +273,8 @@ class DrafterActor:
                 self.num_steps += 1
             elif cmd == CMD_ASYNC:
                 if self._replays is None:
-                    width = len(self.spec.target_layer_ids) * self.target_spec.hidden_size
-                    self._replays = DrafterReplays(self.worker, self.step_settings, self.channel, width)
-                w, inputs = decode_control(ts)
-                with torch.inference_mode():
-                    self._replays.replay(w, inputs)
-                self.num_steps += w.kind != FLUSH
+                    self._replays = drafter_replays(self, self.channel)
+                self.num_steps += self._replays.replay_message(ts)
 
 
 # ------------------------------------------------------------- the target
