@@ -35,14 +35,14 @@ from specray.actors.step_parts import (
     sampling_tensors,
     state_buffers,
 )
+from specray.chain_rows import HISTORY_UPLOADS, write_history
 from specray.kernels.ops import accept_advance, block_inputs, move_kv
 from specray.plan import AttentionMetadata
-from specray.staging import host_to_device
 
 # The inputs a first step uploads, in the order a control message carries
 # them; then the state of rows that join a running chain (JOINED).
 UPLOADS = ("start", "last", "real", "budget", "target_tables", "draft_tables", "temperature", "top_p", "top_k",
-           "keys", "slot", "history_rows", "history_cols", "history_tokens") + \
+           "keys", "slot") + HISTORY_UPLOADS + \
     tuple("join_" + k for k in ("rows", "start", "budget", "temperature", "top_p", "top_k", "keys", "slot", "riding")) + \
     ("after_prefill",)
 # JOINED: the lane's previous results were taken already (the joining
@@ -248,18 +248,16 @@ class DrafterReplays:
                 self.worker, self.settings, w.mode, self.worker.tree if w.tree else None, kind, self.channel,
                 self.hidden_width, shared, prev_block=prev or None, block=block or None)
         graphs, dev = self.graphs[key], self.worker.device
-        rows = [inputs.pop(k, None) for k in ("history_rows", "history_cols", "history_tokens")]
-        if rows[0] is not None:
-            graphs.buffers["history"].index_put_((host_to_device(rows[0], dev), host_to_device(rows[1], dev)),
-                                                 host_to_device(rows[2], dev))
+        after_prefill = inputs.pop("after_prefill", None) is not None
+        first = None
+        if w.kind == JOINED or after_prefill:  # tokens only rank 0's device holds yet
+            first = torch.empty(len(inputs["join_rows"]) if w.kind == JOINED else w.n, dtype=torch.int64, device=dev)
+            self.channel.recv_raw([first])
+        uploads = [inputs.pop(k, None) for k in HISTORY_UPLOADS]
+        if uploads[0] is not None:  # as rank 0 writes its own history: a prefill's first tokens after the prompts
+            write_history(graphs, inputs, torch.stack(uploads), first if after_prefill else None)
         if w.kind == JOINED:
-            first = torch.empty(len(inputs["join_rows"]), dtype=torch.int64, device=dev)
-            self.channel.recv_raw([first])
             apply_join(graphs.buffers, inputs, first, self.settings.max_seqs)
-        elif inputs.pop("after_prefill", None) is not None:
-            inputs["last"] = first = torch.empty(w.n, dtype=torch.int64, device=dev)
-            self.channel.recv_raw([first])
-            if "history" in graphs.buffers:  # the first tokens follow the prompts the uploads brought
-                at = host_to_device(torch.stack([inputs["slot"], inputs["start"]]), dev)
-                graphs.buffers["history"].index_put_((at[0], at[1]), first)
+        elif after_prefill:
+            inputs["last"] = first
         graphs.run(w.n, {k: v for k, v in inputs.items() if k in graphs.buffers})

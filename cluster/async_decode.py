@@ -38,7 +38,7 @@ from specray.actors.kv_cache import block_table_tensor
 from specray.faults import drafter_part, fail_request, format_error
 from specray.request import Request, RequestOutput
 from specray.chain_admit import may_join
-from specray.chain_rows import batch_mode, first_inputs, join_rows, write_history
+from specray.chain_rows import HISTORY_UPLOADS, batch_mode, first_inputs, join_rows, write_history
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
             inputs["draft_tables"] = block_table_tensor([r.draft_blocks.blocks for r in requests])
         core.uploaded_tables[lane] = [list(t) for t in tables]
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
-        inputs.update(history_rows=uploads[0], history_cols=uploads[1], history_tokens=uploads[2])
+        inputs.update(zip(HISTORY_UPLOADS, uploads))
         uploads = None
     core.announce_step(len(requests), mode, chained, inputs, spec, lane, block)
     inputs = {k: v for k, v in inputs.items() if k in graphs.buffers}

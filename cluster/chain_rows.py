@@ -14,6 +14,11 @@ from specray.sampling import any_filter, seed_keys
 from specray.staging import host_to_device
 
 
+# The token history's rows a first step uploads (hist rows, columns, tokens),
+# by name where they travel to a drafter in another process.
+HISTORY_UPLOADS = ("history_rows", "history_cols", "history_tokens")
+
+
 def batch_mode(requests: list[Request], vocab_size: int) -> str:
     """The sampling kind of a batch, whose step graphs it runs."""
     params = [r.params for r in requests]
@@ -112,5 +117,5 @@ def join_rows(core, graphs, requests: list[Request], joined: tuple[int, ...], fi
     if riding:
         peer["join_riding"] = torch.tensor(riding, dtype=torch.int64)
     if uploads is not None and "history" not in graphs.buffers:  # the drafter's process keeps the history
-        peer |= dict(zip(("history_rows", "history_cols", "history_tokens"), uploads))
+        peer |= dict(zip(HISTORY_UPLOADS, uploads))
     return peer
