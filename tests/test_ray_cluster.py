@@ -50,6 +50,14 @@ async def staggered(engine, params, after_first: bool = False):
     return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
 
 
+def staggered_as_in_process(cluster, engine, params, after_first: bool = False) -> dict:
+    """Requests arriving apart on ``engine``: their tokens must be the
+    in-process engine's. The engine's stats after."""
+    results = asyncio.run(staggered(engine, params, after_first))
+    assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, params)
+    return engine.stats()
+
+
 def reference(root, params):
     llm = LLM(root / "t", root / "d")
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
@@ -141,9 +149,7 @@ def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
         features = engine.stats()["features"]
         assert features["admit_into_chain"] == {"on": True}, features
         assert features["async_scheduling"]["on"] and "note" not in features["adaptive_speculation"], features
-        results = asyncio.run(staggered(engine, greedy))
-        assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, greedy)
-        stats = engine.stats()
+        stats = staggered_as_in_process(cluster, engine, greedy)
         assert stats["chain_joins"] > 0 and stats["num_async_steps"] > 10, stats
         assert all(free == cap for free, cap in stats["pools"].values())
     finally:
@@ -152,9 +158,7 @@ def test_tp1_with_a_colocated_drafter_runs_the_in_process_features(cluster):
                for i, n in enumerate(MAX_TOKENS)]
     engine = AsyncEngine.from_config(config(cluster, adaptive_speculation=False, **settings), "ray", 1, "colocated")
     try:
-        results = asyncio.run(staggered(engine, sampled))
-        assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, sampled)
-        assert engine.stats()["chain_joins"] > 0
+        assert staggered_as_in_process(cluster, engine, sampled)["chain_joins"] > 0
     finally:
         engine.shutdown()
 
@@ -191,9 +195,7 @@ def test_tp_followers_replay_every_kind_of_step_the_policy_chooses(cluster):
                       async_scheduling=True, max_num_seqs=8)
     engine = AsyncEngine.from_config(ar, "ray", 2, "colocated")
     try:
-        results = asyncio.run(staggered(engine, greedy))
-        assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, greedy)
-        assert engine.stats()["chain_joins"] > 0
+        assert staggered_as_in_process(cluster, engine, greedy)["chain_joins"] > 0
     finally:
         engine.shutdown()
 
@@ -249,9 +251,7 @@ def test_requests_join_the_chains_of_a_separate_drafter(cluster, tp):
         engine = AsyncEngine.from_config(config(cluster, **settings), "ray", tp, "separate")
         try:
             assert engine.stats()["features"]["admit_into_chain"] == {"on": True}
-            results = asyncio.run(staggered(engine, params, after_first=True))
-            assert [chunks[-1][1].token_ids for chunks in results] == reference(cluster, params)
-            stats = engine.stats()
+            stats = staggered_as_in_process(cluster, engine, params, after_first=True)
             assert stats["chain_joins"] > 0 and stats["drafter"]["losses"] == 0, stats
             assert all(free == cap for free, cap in stats["pools"].values())
         finally:
