@@ -19,10 +19,11 @@ log = logging.getLogger("specray.drafter_restart")
 
 class RemoteDrafterRestart:
     def __init__(self, handle, config, max_model_len: int, num_draft_blocks: int, channel_kind: str,
-                 placement_group, bundle_index: int, device, address: str | None = None):
+                 placement_group, bundle_index: int, device, address: str | None = None, gpus: float = 1):
         self.handle, self.config, self.max_model_len = handle, config, max_model_len
         self.num_draft_blocks, self.channel_kind = num_draft_blocks, channel_kind
         self.placement_group, self.bundle_index, self.device = placement_group, bundle_index, device
+        self.gpus = gpus  # its share of a GPU: half of rank 0's where it runs beside it
         self.address = address  # the current pairing's rendezvous (a file store to remove)
         # New pairings' file stores go beside the first one's, in the directory
         # the engine's owner removes with its placement group.
@@ -50,7 +51,7 @@ class RemoteDrafterRestart:
             self.address = None
         gpu = self.config.device != "cpu"
         new = ray.remote(DrafterActor).options(
-            num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=8,
+            num_cpus=1, num_gpus=self.gpus if gpu else 0, max_concurrency=8,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                 placement_group_bundle_index=self.bundle_index),
         ).remote(self.config, self.max_model_len)

@@ -38,13 +38,16 @@ def free_memory_bytes(
     return min(free, total * gpu_memory_utilization - own_bytes) - reserve
 
 
-def kv_capacity(config: EngineConfig, workers: list) -> int:
+def kv_capacity(config: EngineConfig, workers: list, beside: tuple[int, int] | None = None) -> int:
     """KV blocks that fit beside ``workers`` (sharing one device) when each
     of them keeps one pool of that many blocks; may be < 2 (callers say
-    what to do about it)."""
-    own = sum(w.weight_bytes for w in workers)
+    what to do about it). ``beside``: ``(weight_bytes, bytes_per_block)``
+    of a drafter in another process on the same device (loaded already),
+    whose pool is that many blocks too."""
+    extra_weights, extra_per_block = beside or (0, 0)
+    own = sum(w.weight_bytes for w in workers) + extra_weights
     budget = free_memory_bytes(workers[0].device, config.gpu_memory_utilization, config.cpu_kv_cache_gb * 2**30, own)
-    return int(budget // sum(w.bytes_per_block(config.kv_block_size) for w in workers))
+    return int(budget // (sum(w.bytes_per_block(config.kv_block_size) for w in workers) + extra_per_block))
 
 
 def allocated_bytes(device: torch.device) -> int:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from specray.actors.drafter import DrafterWorker
 from specray.actors.drafter_restart import LocalDrafterRestart, RemoteDrafterRestart
 from specray.actors.models.layers import TPContext
+from specray.actors.ipc_channel import pair_ipc
 from specray.actors.pair_channel import PairChannel
 from specray.actors.target import TargetWorker, kv_capacity, resolve_device
 from specray.actors.transport import (
@@ -128,9 +129,15 @@ def drafter_channel(kind: str, rank_in_pair: int, device: torch.device, address:
     the tensors too, under another tag) over a gloo pair of their own
     (pair_channel.py: not the engine's process group, so a new drafter can
     pair again, and rank 0's waits have a timeout); between GPUs the
-    tensors over NCCL via CuPy (``unique_id``)."""
+    tensors over NCCL via CuPy (``unique_id``), on one GPU through a CUDA
+    IPC ring (ipc_channel.py)."""
     pair = PairChannel(address, rank_in_pair, timeout_s)
-    data = CupyNcclChannel(unique_id, rank_in_pair, device) if kind == "nccl" else pair.tagged(0)
+    if kind == "nccl":
+        data = CupyNcclChannel(unique_id, rank_in_pair, device)
+    elif kind == "ipc":  # one GPU: rank 0 hands its ring over the pair
+        data = pair_ipc(pair.tagged(2), rank_in_pair, device)
+    else:
+        data = pair.tagged(0)
     return SplitChannel(pair.tagged(1), data)
 
 
@@ -242,6 +249,11 @@ class DrafterActor:
 
     def kv_capacity(self) -> int:
         return kv_capacity(self.config, [self.worker])
+
+    def memory_cost(self) -> tuple[int, int]:
+        """Its weights' bytes and a KV block's, for a rank 0 that sizes the
+        pools of both on one GPU."""
+        return self.worker.weight_bytes, self.worker.bytes_per_block(self.config.kv_block_size)
 
     def init_cache(self, num_blocks: int) -> None:
         block = self.config.draft_block_size(self.worker.spec.block_size)
@@ -358,8 +370,9 @@ class TargetRank:
             block_size=self.drafter_spec.block_size if self.drafter_spec else 1,
         )
 
-    def kv_capacity(self, with_local_drafter: bool = False) -> int:
-        return kv_capacity(self.config, [self.worker] + ([self._local_drafter()] if with_local_drafter else []))
+    def kv_capacity(self, with_local_drafter: bool = False, beside: tuple[int, int] | None = None) -> int:
+        return kv_capacity(self.config, [self.worker] + ([self._local_drafter()] if with_local_drafter else []),
+                           beside)
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks, self.config.kv_block_size)
@@ -407,9 +420,10 @@ class TargetRank:
     def start_engine(self, num_target_blocks: int, num_draft_blocks: int | None, drafter_mode: str,
                      channel_kind: str | None = None, unique_id=None, address: str | None = None,
                      drafter_handle=None, placement_group=None, drafter_bundle: int | None = None,
-                     shared: bool = False) -> None:
-        """``drafter_handle`` (with the ``placement_group`` and its bundle
-        index): the separate drafter's actor, replaced when it is lost.
+                     drafter_gpus: float = 1, shared: bool = False) -> None:
+        """``drafter_handle`` (with the ``placement_group``, its bundle index
+        and its share of a GPU): the separate drafter's actor, replaced when
+        it is lost.
         ``shared``: the separate drafter serves other replicas too
         (shared_drafter.py); this one steps on without it once it is lost."""
         from specray.detokenizer import load_tokenizer
@@ -429,7 +443,7 @@ class TargetRank:
             if drafter_handle is not None and not shared:
                 restart = RemoteDrafterRestart(drafter_handle, self.config, self.max_model_len, num_draft_blocks,
                                                channel_kind, placement_group, drafter_bundle, self.device,
-                                               address)
+                                               address, drafter_gpus)
         core = EngineCore(
             self.config, self.spec, self.drafter_spec, target, drafter, load_tokenizer(self.config.target),
             self.max_model_len, num_target_blocks, num_draft_blocks,

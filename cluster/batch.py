@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each replica's target")
     s.add_argument("--backend", choices=["auto", "inprocess", "ray"], default="auto",
                    help="auto: in-process engine per replica, or the Ray engine when --tp > 1")
-    s.add_argument("--drafter-placement", choices=["auto", "separate", "colocated"], default="auto")
+    s.add_argument("--drafter-placement", choices=["auto", "separate", "colocated", "separate_same_gpu"],
+                   default="auto")
     s.add_argument("--batch-size", type=int, help="rows per generate call (default: up to 64)")
     s.add_argument("--cpus-per-replica", type=float,
                    help="CPUs each replica actor requests (default 1 in-process, 0 with the Ray engine)")

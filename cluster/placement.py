@@ -8,7 +8,12 @@ their process group and channels, and the serving loops.
   * ``"separate"``: the drafter is its own actor with its own GPU (or CPU
     process), fed over NCCL via CuPy (GPU) or gloo (CPU);
   * ``"colocated"``: the drafter shares target rank 0's GPU and runs inside
-    rank 0's process (NCCL cannot pair two ranks on one device).
+    rank 0's process (NCCL cannot pair two ranks on one device);
+  * ``"separate_same_gpu"``: the drafter is its own actor on rank 0's GPU
+    (half of it each, in one bundle), fed through a CUDA IPC ring
+    (ipc_channel.py): a drafter that can fail apart from the target without
+    a second GPU. Without MPS the two processes take turns on the GPU, so it
+    is slower than colocated; on CPUs it is ``"separate"``.
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ def _check_resources(ray, need: dict[str, float]) -> None:
         raise ConfigError(f"the Ray cluster is too small for this engine ({detail})")
 
 
-PLACEMENTS = ("auto", "separate", "colocated")
+PLACEMENTS = ("auto", "separate", "colocated", "separate_same_gpu")
 
 
 def resolve_placement(drafter_placement: str) -> str:
@@ -129,7 +134,7 @@ def start_engine_actors(
     from specray.llm import resolve_max_model_len
 
     if shared_drafter is not None:
-        if drafter_placement not in ("auto", "separate"):
+        if drafter_placement not in ("auto", "separate", "separate_same_gpu"):
             raise ConfigError(f"a shared drafter runs apart from the targets: drafter_placement must be 'separate' "
                               f"(or 'auto'), got {drafter_placement!r}")
         if not config.drafter:
@@ -158,11 +163,16 @@ def start_engine_actors(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpu = config.device != "cpu"
-    separate = bool(config.drafter) and drafter_placement == "separate"
-    n_bundles = tp + int(separate and shared_drafter is None)
+    separate = bool(config.drafter) and drafter_placement in ("separate", "separate_same_gpu")
+    # A drafter on rank 0's GPU shares its bundle: Ray then gives both the same device.
+    beside = separate and shared_drafter is None and drafter_placement == "separate_same_gpu"
+    n_bundles = tp + int(separate and shared_drafter is None and not beside)
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-    _check_resources(ray, {k: v * n_bundles for k, v in bundle.items()})
-    pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+    bundles = [dict(bundle) for _ in range(n_bundles)]
+    if beside:
+        bundles[0]["CPU"] = 2
+    _check_resources(ray, {k: sum(b.get(k, 0) for b in bundles) for k in bundle})
+    pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=ready_timeout_s)
     except Exception:
@@ -175,17 +185,18 @@ def start_engine_actors(
     def opts(i):
         return dict(
             num_cpus=1,
-            num_gpus=1 if gpu else 0,
+            num_gpus=(0.5 if beside and i == 0 else 1) if gpu else 0,
             max_concurrency=8,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         )
 
     ranks = [ray.remote(TargetRank).options(**opts(r)).remote(config, r, tp, max_model_len) for r in range(tp)]
     own = separate and shared_drafter is None
-    drafter = ray.remote(DrafterActor).options(**opts(tp)).remote(config, max_model_len) if own else None
+    drafter = ray.remote(DrafterActor).options(**opts(0 if beside else tp)).remote(config, max_model_len) \
+        if own else None
     actors = EngineActors(ranks[0], ranks, drafter, pg)
     try:
-        _wire(ray, actors, config, tp, gpu, separate, drafter_placement, shared_drafter)
+        _wire(ray, actors, config, tp, gpu, separate, drafter_placement, shared_drafter, beside)
     except BaseException:
         actors.shutdown(timeout_s=5)
         raise
@@ -193,7 +204,8 @@ def start_engine_actors(
     return actors
 
 
-def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement, share=None) -> None:
+def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placement, share=None,
+          beside: bool = False) -> None:
     ranks, drafter = actors.ranks, actors.drafter
     if share is not None:
         drafter = share.drafter.actor
@@ -216,7 +228,11 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
     colocated = bool(config.drafter) and drafter_placement == "colocated"
     n_target = config.num_kv_blocks
     if n_target is None:
-        caps = ray.get([r.kv_capacity.remote(colocated and i == 0) for i, r in enumerate(ranks)])
+        # A drafter beside rank 0 is loaded (its weights off the free memory)
+        # before rank 0 sizes both pools, each that many blocks.
+        cost = ray.get(drafter.memory_cost.remote()) if beside and gpu else None
+        caps = ray.get([r.kv_capacity.remote(colocated and i == 0, cost if i == 0 else None)
+                        for i, r in enumerate(ranks)])
         n_target = min(caps)
     n_draft = None
     if config.drafter:
@@ -224,7 +240,7 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
         if share is not None:
             # The replica's partition of the shared pool.
             n_draft = min(n_draft, share.drafter.blocks_per_replica)
-        elif separate and config.num_draft_kv_blocks is None:
+        elif separate and config.num_draft_kv_blocks is None and not (beside and gpu):
             n_draft = min(n_target, ray.get(drafter.kv_capacity.remote()))
     for n, what in ((n_target, "target KV"), (n_draft, "drafter context KV")):
         if n is not None and n < 2:
@@ -240,8 +256,8 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
 
         # Headers (and on CPUs everything) over a gloo pair of their own;
         # between GPUs the tensors over NCCL.
-        uid = ray.get(ranks[0].nccl_unique_id.remote()) if gpu else None
-        kind = "nccl" if gpu else "gloo"
+        kind = ("ipc" if beside else "nccl") if gpu else "gloo"
+        uid = ray.get(ranks[0].nccl_unique_id.remote()) if kind == "nccl" else None
         ends = ray.get([ranks[0].node_id.remote(), drafter.node_id.remote()])
         ip, port = ray.get(ranks[0].address.remote())
         if ends[0] == ends[1] and actors.rendezvous_dir is None:
@@ -253,7 +269,8 @@ def _wire(ray, actors: EngineActors, config, tp, gpu, separate, drafter_placemen
             start_kwargs.update(shared=True)
         else:
             pending.append(drafter.connect.remote(kind, address, uid))
-            start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group, drafter_bundle=tp)
+            start_kwargs.update(drafter_handle=drafter, placement_group=actors.placement_group,
+                                drafter_bundle=0 if beside else tp, drafter_gpus=0.5 if beside else 1)
     # NCCL communicators form collectively: both ends must be constructing.
     pending.append(ranks[0].start_engine.remote(**start_kwargs))
     ray.get(pending)

@@ -322,3 +322,30 @@ def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
         assert llm.stats()["num_async_steps"] > 10
     finally:
         llm.shutdown()
+
+
+def test_gpu_ray_separate_drafter_on_one_gpu_runs_the_step_graphs(ckpt):
+    """The drafter as its own actor on rank 0's GPU (``separate_same_gpu``:
+    NCCL cannot pair two ranks on one device, a CUDA IPC ring does): async
+    step graphs on both ends, the in-process tokens and seeded samples."""
+    pytest.importorskip("ray")
+    from specray.placement import ensure_ray
+
+    ensure_ray()
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=32, temperature=1.0, seed=11 + i, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512)
+    local = LLM(ckpt / "t", ckpt / "d", **kw)
+    want = [o.token_ids for o in local.generate(PROMPTS, greedy)]
+    want_sampled = [o.token_ids for o in local.generate(PROMPTS, sampled)]
+    del local
+    llm = LLM(ckpt / "t", ckpt / "d", backend="ray", drafter_placement="separate_same_gpu", **kw)
+    try:
+        features = llm.stats()["features"]
+        assert features["async_scheduling"]["on"] and features["cuda_graphs"]["on"], features
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
+        assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == want_sampled
+        assert llm.stats()["num_async_steps"] > 10
+    finally:
+        llm.shutdown()

@@ -361,8 +361,26 @@ def test_clear_error_when_cluster_lacks_gpus(cluster):
         LLM(cluster / "t", cluster / "d", device="cuda", backend="ray", tensor_parallel_size=2,
             drafter_placement="separate")
     assert time.monotonic() - t < 30
+    with pytest.raises(ConfigError, match="GPU: needs 2, the cluster has 0"):  # rank 0's GPU shared, rank 1's
+        LLM(cluster / "t", cluster / "d", device="cuda", backend="ray", tensor_parallel_size=2,
+            drafter_placement="separate_same_gpu")
     with pytest.raises(ConfigError, match="drafter_placement"):
         LLM(cluster / "t", cluster / "d", backend="ray", drafter_placement="elsewhere")
+
+
+def test_drafter_beside_rank_0_shares_its_bundle(cluster):
+    """``separate_same_gpu``: the drafter is its own actor in rank 0's bundle
+    (on a GPU, half of it each: the same device), and the tokens are the
+    in-process engine's (on CPUs the tensors go over gloo as "separate")."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    llm = LLM(cluster / "t", cluster / "d", backend="ray", drafter_placement="separate_same_gpu", num_kv_blocks=300)
+    try:
+        bundles = ray.util.placement_group_table(llm._core.actors.placement_group)["bundles"]
+        assert bundles == {0: {"CPU": 2.0}}
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference(cluster, params)
+        assert ray.get(llm._core.actors.drafter.node_id.remote())  # its own actor
+    finally:
+        llm.shutdown()
 
 
 # ------------------------------------------------- failures and lifecycle

@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(m)
     m.add_argument("--model-name", help="served model id (default: the target directory's name)")
     m.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="target TP ranks")
-    m.add_argument("--drafter-placement", choices=["auto", "separate", "colocated"], default="auto",
-                   help="auto (default): colocated, the fastest measured; separate: the drafter on a GPU of its own")
+    m.add_argument("--drafter-placement", choices=["auto", "separate", "colocated", "separate_same_gpu"],
+                   default="auto", help="auto (default): colocated, the fastest measured; separate: the drafter on "
+                   "a GPU of its own; separate_same_gpu: its own process on rank 0's GPU (fails apart, slower)")
     m.add_argument("--backend", choices=["ray", "inprocess"], default="ray",
                    help="ray: engine actors beside the replica (default); inprocess: the model inside the replica")
     m.add_argument("--num-kv-blocks", type=int)

@@ -20,7 +20,7 @@ class ServeArgs(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     backend: Literal["ray", "inprocess"] = "ray"
     tensor_parallel_size: int = Field(1, ge=1)
-    drafter_placement: Literal["auto", "separate", "colocated"] = "auto"
+    drafter_placement: Literal["auto", "separate", "colocated", "separate_same_gpu"] = "auto"
     max_model_len: int | None = Field(None, ge=2)
     num_kv_blocks: int | None = Field(None, ge=2)
     kv_block_size: int = Field(16, ge=1)
