@@ -279,3 +279,33 @@ def test_a_request_that_breaks_the_step_fails_alone_through_ray(cluster):
             llm.generate([PROMPTS[0], PROMPTS[1]], [SHORT, params[5]])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_drafter_beside_rank_0_killed_mid_generate(tmp_path):
+    """One GPU, the drafter its own actor beside rank 0 (``separate_same_gpu``,
+    tensors through the CUDA IPC ring) and SIGKILLed while rank 0's step
+    graphs wait on it: rank 0's wait is aborted past ``drafter_timeout_s``,
+    generate finishes with the run's tokens, and a new drafter pairs (a new
+    ring) and drafts again."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root = make_models(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    llm = LLM(root / "t", root / "d", backend="ray", device="cuda", dtype="float32",
+              drafter_placement="separate_same_gpu", cuda_graphs=True, async_scheduling=True, num_kv_blocks=512,
+              drafter_timeout_s=3.0)
+    try:
+        ref = reference(llm, ["long", "short"])
+        drafter = llm._core.actors.drafter
+        th, _ = when_stepping(llm, lambda: os.kill(pid_of(drafter), signal.SIGKILL), llm.stats()["num_steps"] + 4)
+        got = llm.generate(PROMPTS, LONG)
+        th.join()
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref["long"]]
+        state = wait_drafter_up(llm)
+        assert state["losses"] == 1 and state["restarts"] == 1
+        later = llm.generate(PROMPTS, SHORT)
+        assert [o.token_ids for o in later] == [o.token_ids for o in ref["short"]]
+        assert sum(o.metrics.num_draft_tokens for o in later) > 0
+    finally:
+        llm.shutdown()
