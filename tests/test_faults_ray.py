@@ -177,18 +177,25 @@ def test_separate_drafter_lost_while_the_policy_takes_turns(cluster):
     try:
         ref = reference(llm, ["long", "short"])
         pace_while_drafter_down(llm)
-        drafter = llm._core.actors.drafter
-        th, _ = when_stepping(llm, lambda: os.kill(pid_of(drafter), signal.SIGKILL), llm.stats()["num_steps"] + 4)
-        got = llm.generate(PROMPTS, LONG)
-        th.join()
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref["long"]]
-        state = wait_drafter_up(llm)
-        assert state["losses"] == 1 and state["restarts"] == 1
-        later = llm.generate(PROMPTS, SHORT)
-        assert [o.token_ids for o in later] == [o.token_ids for o in ref["short"]]
-        assert sum(o.metrics.num_draft_tokens for o in later) > 0
+        check_drafter_killed_mid_generate(llm, ref)
     finally:
         llm.shutdown()
+
+
+def check_drafter_killed_mid_generate(llm, ref):
+    """SIGKILL the separate drafter a few steps into a generate: it still
+    finishes with the run's tokens, one loss and one restart are counted,
+    and the new drafter drafts later requests."""
+    drafter = llm._core.actors.drafter
+    th, _ = when_stepping(llm, lambda: os.kill(pid_of(drafter), signal.SIGKILL), llm.stats()["num_steps"] + 4)
+    got = llm.generate(PROMPTS, LONG)
+    th.join()
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref["long"]]
+    state = wait_drafter_up(llm)
+    assert state["losses"] == 1 and state["restarts"] == 1
+    later = llm.generate(PROMPTS, SHORT)
+    assert [o.token_ids for o in later] == [o.token_ids for o in ref["short"]]
+    assert sum(o.metrics.num_draft_tokens for o in later) > 0
 
 
 def test_colocated_drafter_that_raises(cluster):
@@ -296,16 +303,6 @@ def test_gpu_drafter_beside_rank_0_killed_mid_generate(tmp_path):
               drafter_placement="separate_same_gpu", cuda_graphs=True, async_scheduling=True, num_kv_blocks=512,
               drafter_timeout_s=3.0)
     try:
-        ref = reference(llm, ["long", "short"])
-        drafter = llm._core.actors.drafter
-        th, _ = when_stepping(llm, lambda: os.kill(pid_of(drafter), signal.SIGKILL), llm.stats()["num_steps"] + 4)
-        got = llm.generate(PROMPTS, LONG)
-        th.join()
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref["long"]]
-        state = wait_drafter_up(llm)
-        assert state["losses"] == 1 and state["restarts"] == 1
-        later = llm.generate(PROMPTS, SHORT)
-        assert [o.token_ids for o in later] == [o.token_ids for o in ref["short"]]
-        assert sum(o.metrics.num_draft_tokens for o in later) > 0
+        check_drafter_killed_mid_generate(llm, reference(llm, ["long", "short"]))
     finally:
         llm.shutdown()
