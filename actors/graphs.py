@@ -15,11 +15,39 @@ exact (tests/test_kernels.py captures and replays them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
 from specray.staging import STAGING
+
+_warm = threading.local()
+
+
+def warming() -> bool:
+    """Whether this thread runs a capture's warm-up calls. Exchanges with
+    peers (a drafter or TP followers in other processes) skip them: each
+    side captures a step kind on its own first use, rank 0's graphs are
+    keyed by fewer kinds than a separate drafter's, so warm-up exchanges
+    would not pair up, and a later replay would take a warm-up's message."""
+    return getattr(_warm, "on", False)
+
+
+def peer_send(channel, tensors: list[torch.Tensor]) -> None:
+    """``channel.send_raw`` inside a step graph (nothing while warming)."""
+    if not warming():
+        channel.send_raw(tensors)
+
+
+def peer_recv(channel, out: list[torch.Tensor]) -> None:
+    """``channel.recv_raw`` inside a step graph; while warming the buffers
+    are zeros (in-bounds tokens and indices for the warm-up's kernels)."""
+    if warming():
+        for t in out:
+            t.zero_()
+    else:
+        channel.recv_raw(out)
 
 
 def capture_sizes(max_seqs: int) -> list[int]:
@@ -117,8 +145,12 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.fn(size)
+            _warm.on = True
+            try:
+                for _ in range(2):
+                    self.fn(size)
+            finally:
+                _warm.on = False
             for name, buf in self.buffers.items():
                 buf.copy_(saved[name])
         torch.cuda.current_stream(self.device).wait_stream(stream)

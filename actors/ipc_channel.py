@@ -20,11 +20,12 @@ overlap. ``copy_reference`` is the kernels' PyTorch reference.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
 
 import torch
+
+from specray.actors.transport import _staged
 
 SLOTS = 4
 SLOT_BYTES = 4 << 20
@@ -114,7 +115,12 @@ def _kernels():
     def count_kernel(flags_ptr, FIELD: tl.constexpr):
         tl.atomic_add(flags_ptr + FIELD, 1, sem="release", scope="sys")
 
-    return copy_kernel, count_kernel
+    @triton.jit
+    def ahead_kernel(flags_ptr, A: tl.constexpr, B: tl.constexpr, VALUE: tl.constexpr):
+        tl.atomic_xchg(flags_ptr + A, VALUE, sem="release", scope="sys")
+        tl.atomic_xchg(flags_ptr + B, VALUE, sem="release", scope="sys")
+
+    return copy_kernel, count_kernel, ahead_kernel
 
 
 _KERNELS = None
@@ -124,7 +130,7 @@ _BLOCK = 8192
 def _copy(src: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor, slot_offset: int, to_ring: bool,
           direction: int, slots: int, slot_bytes: int) -> None:
     global _KERNELS
-    if src.device.type != "cuda":
+    if flags.device.type != "cuda":
         return copy_reference(src, dst, flags, slot_offset, to_ring, direction, slots, slot_bytes)
     if _KERNELS is None:
         _KERNELS = _kernels()
@@ -156,6 +162,8 @@ class IpcChannel:
         self.slots, self.slot_bytes = slots, slot_bytes
         self.device = ring.device
         self._keepalive: list[torch.Tensor] = []
+        # Made now: ``abort`` runs while a dead peer holds a stream.
+        self._abort_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @classmethod
     def create(cls, device, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> "IpcChannel":
@@ -180,7 +188,7 @@ class IpcChannel:
         return cls(1, rebuild_cuda_tensor(*ring_args), rebuild_cuda_tensor(*flags_args), slots, slot_bytes)
 
     def send_raw(self, tensors: list[torch.Tensor]) -> None:
-        views = [byte_view(t.contiguous()) for t in tensors]
+        views = [byte_view(_staged(t, self.device)) for t in tensors]  # host tensors through the pinned ring
         self._move(views, to_ring=True, direction=self.rank)
         self._keepalive = views  # read by kernels still queued
 
@@ -204,16 +212,20 @@ class IpcChannel:
     def abort(self) -> None:
         """The peer is gone: its counters jump ahead, so the waits queued on
         this side's stream end (what they receive is whatever the ring
-        holds) and later ones do not start. A copy engine writes them, not
-        a kernel: the waiting kernels may hold the SMs."""
-        ahead = torch.tensor([_AHEAD], dtype=torch.int64).pin_memory() if self.device.type == "cuda" else \
-            torch.tensor([_AHEAD])
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for field in (counter_index(1 - self.rank, False), counter_index(self.rank, True)):
-                self.flags[field: field + 1].copy_(ahead, non_blocking=True)
-        if stream is not None:
-            stream.synchronize()
+        holds) and later ones do not start. A one-program kernel on a
+        stream of its own writes them, beside the waiting kernels (their
+        grids are small: they leave room on the SMs)."""
+        fields = (counter_index(1 - self.rank, False), counter_index(self.rank, True))
+        if self._abort_stream is None:
+            for field in fields:
+                self.flags[field] = _AHEAD
+            return
+        global _KERNELS
+        if _KERNELS is None:
+            _KERNELS = _kernels()
+        with torch.cuda.stream(self._abort_stream):
+            _KERNELS[2][(1,)](self.flags, A=fields[0], B=fields[1], VALUE=_AHEAD)
+        self._abort_stream.synchronize()
 
 
 def pair_ipc(pair, rank: int, device) -> IpcChannel:

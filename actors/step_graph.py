@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from specray.actors.graphs import DecodeGraphs
+from specray.actors.graphs import DecodeGraphs, peer_recv, peer_send
 from specray.actors.step_parts import (
     StepSettings,
     drafted_buffers,
@@ -139,7 +139,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         elif remote is not None and speculate:
             got = drafted_buffers(n, B, use_tree, sampling != "greedy" and not use_tree, cfg.draft_top_k, dev)
             with remote_part("receiving its proposal"):
-                remote.recv_raw(got)
+                peer_recv(remote, got)
             drafted = unpack_drafted(got, B)
         else:
             drafted = None
@@ -185,7 +185,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         elif remote is not None:
             kept = kept_rows(out[:, 0], B, row_kept)
             with remote_part("sending it the acceptance"):
-                remote.send_raw([torch.cat([out, kept.long()], 1), hidden_tapped])
+                peer_send(remote, [torch.cat([out, kept.long()], 1), hidden_tapped])
         return (out,)
 
     return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, sampling, cfg.max_seqs), cfg.max_seqs, dev)

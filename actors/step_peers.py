@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specray.actors.graphs import DecodeGraphs
+from specray.actors.graphs import DecodeGraphs, peer_recv, peer_send, warming
 from specray.actors.step_parts import (
     MODES,
     StepSettings,
@@ -88,14 +88,20 @@ class TPLink:
         self.group = group
 
     def send_verify(self, input_ids, positions, slots, tree_mask, seq_lens) -> None:
+        if warming():  # graphs.warming: the followers' warm-ups take zeros
+            return
         mask = tree_mask if tree_mask is not None else torch.full_like(slots.reshape(-1), -1)
         rows = torch.cat([input_ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), mask.long(), seq_lens])
         dist.broadcast(rows, src=0, group=self.group)
 
     def send_moves(self, src, dst) -> None:
+        if warming():
+            return
         dist.broadcast(torch.stack([src, dst]), src=0, group=self.group)
 
     def recv(self, t: torch.Tensor) -> torch.Tensor:
+        if warming():
+            return t.zero_()
         dist.broadcast(t, src=0, group=self.group)
         return t
 
@@ -151,7 +157,7 @@ def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int,
         """The previous step's results, as rank 0's replay applied them."""
         res = torch.empty(n, 2 * Bp + 2, dtype=torch.int64, device=dev)
         hidden = torch.empty(n * Bp, hidden_width, dtype=drafter.dtype, device=dev)
-        channel.recv_raw([res, hidden])
+        peer_recv(channel, [res, hidden])
         out, kept = res[:, : Bp + 2], res[:, Bp + 2 :].bool()
         slots = torch.where(kept, prev["prev_slots"][:n, :Bp], 0)
         drafter.model.store_context(hidden, prev["prev_positions"][:n, :Bp].reshape(-1), slots.reshape(-1),
@@ -182,7 +188,7 @@ def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int,
         else:  # a tree's rows sit at their depths
             prev["prev_positions"][:n].copy_(start[:, None] + offsets)
             prev["prev_slots"][:n].copy_(blk.draft_slots.gather(1, offsets))
-        channel.send_raw(pack_drafted(drafted))
+        peer_send(channel, pack_drafted(drafted))
         return ()
 
     return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, mode, cfg.max_seqs), cfg.max_seqs, dev)

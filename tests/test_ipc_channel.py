@@ -68,6 +68,28 @@ def test_two_ends_exchange_messages_larger_than_the_ring():
         assert torch.equal(reply, msg[1] + 1)
 
 
+def test_abort_ends_a_wait_for_a_message_never_sent():
+    a = IpcChannel.create("cpu", slots=2, slot_bytes=64)
+    out, errors = torch.full((4,), -1), []
+
+    def wait():
+        try:
+            a.recv_raw([out])  # direction 1: the drafter, who never sends
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            errors.append(e)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    th.join(timeout=0.3)
+    assert th.is_alive()  # still waiting
+    a.abort()
+    th.join(timeout=10)
+    assert not th.is_alive() and not errors
+    # Later sends do not wait for a reader that is gone either.
+    for _ in range(5):
+        a.send_raw([torch.arange(40)])
+
+
 # ----------------------------------------------------------------- GPU
 
 

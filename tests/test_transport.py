@@ -79,3 +79,46 @@ def test_gloo_p2p_and_broadcast_carry_the_message(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert verdict == "ok"
+
+
+class _NoTraffic:
+    def send_raw(self, tensors):
+        raise AssertionError("a warm-up sent to a peer")
+
+    def recv_raw(self, out):
+        raise AssertionError("a warm-up received from a peer")
+
+
+def test_step_graph_exchanges_skip_capture_warmups(monkeypatch):
+    """A capture's warm-up calls (graphs.DecodeGraphs._capture) exchange
+    nothing with a drafter or TP followers: each side captures a kind on
+    its own first use, so warm-up messages would pair with the wrong
+    replays. Received buffers are zeros then; outside warm-ups traffic
+    flows."""
+    from specray.actors import graphs
+    from specray.actors.step_peers import TPLink
+
+    def broadcast(*args, **kwargs):
+        raise AssertionError("a warm-up broadcast to the TP followers")
+
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
+    out = [torch.ones(3), torch.ones(2, dtype=torch.int64)]
+    graphs._warm.on = True
+    try:
+        graphs.peer_recv(_NoTraffic(), out)
+        graphs.peer_send(_NoTraffic(), [torch.ones(2)])
+        link = TPLink(group=None)
+        link.send_verify(torch.ones(2), torch.ones(2), torch.ones(2), None, torch.ones(1, dtype=torch.int64))
+        link.send_moves(torch.ones(2), torch.ones(2))
+        assert link.recv(torch.ones(4, dtype=torch.int64)).eq(0).all()
+    finally:
+        graphs._warm.on = False
+    assert all(t.eq(0).all() for t in out)
+    sent = []
+
+    class Peer:
+        def send_raw(self, tensors):
+            sent.append(tensors)
+
+    graphs.peer_send(Peer(), [torch.ones(2)])
+    assert len(sent) == 1 and not graphs.warming()
