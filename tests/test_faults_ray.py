@@ -186,10 +186,16 @@ def check_drafter_killed_mid_generate(llm, ref):
     """SIGKILL the separate drafter a few steps into a generate: it still
     finishes with the run's tokens, one loss and one restart are counted,
     and the new drafter drafts later requests."""
-    drafter = llm._core.actors.drafter
-    th, _ = when_stepping(llm, lambda: os.kill(pid_of(drafter), signal.SIGKILL), llm.stats()["num_steps"] + 4)
+    drafter, killed = llm._core.actors.drafter, []
+
+    def kill():
+        os.kill(pid_of(drafter), signal.SIGKILL)  # raises if it was gone already (lost some other way)
+        killed.append(True)
+
+    th, _ = when_stepping(llm, kill, llm.stats()["num_steps"] + 4)
     got = llm.generate(PROMPTS, LONG)
     th.join()
+    assert killed
     assert [o.token_ids for o in got] == [o.token_ids for o in ref["long"]]
     state = wait_drafter_up(llm)
     assert state["losses"] == 1 and state["restarts"] == 1
