@@ -142,6 +142,17 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor, slot_offset
                       SLOTS_=slots, SLOT_BYTES_=slot_bytes, BLOCK=_BLOCK)
 
 
+def _ahead(flags: torch.Tensor, a: int, b: int, stream) -> None:
+    """Counters ``a`` and ``b`` of ``flags`` jump ahead, written on
+    ``stream`` (waited for)."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _kernels()
+    with torch.cuda.stream(stream):
+        _KERNELS[2][(1,)](flags, A=a, B=b, VALUE=_AHEAD)
+    stream.synchronize()
+
+
 def _count(flags: torch.Tensor, field: int) -> None:
     if flags.device.type != "cuda":
         flags[field] += 1
@@ -162,8 +173,13 @@ class IpcChannel:
         self.slots, self.slot_bytes = slots, slot_bytes
         self.device = ring.device
         self._keepalive: list[torch.Tensor] = []
-        # Made now: ``abort`` runs while a dead peer holds a stream.
-        self._abort_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Made now: ``abort`` runs while a dead peer holds a stream, when
+        # loading a kernel's module could wait for the device.
+        self._abort_stream = None
+        if self.device.type == "cuda":
+            self._abort_stream = torch.cuda.Stream(self.device)
+            scratch = torch.zeros(4 * _FIELD, dtype=torch.int64, device=self.device)
+            _ahead(scratch, 0, _FIELD, self._abort_stream)
 
     @classmethod
     def create(cls, device, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> "IpcChannel":
@@ -220,12 +236,7 @@ class IpcChannel:
             for field in fields:
                 self.flags[field] = _AHEAD
             return
-        global _KERNELS
-        if _KERNELS is None:
-            _KERNELS = _kernels()
-        with torch.cuda.stream(self._abort_stream):
-            _KERNELS[2][(1,)](self.flags, A=fields[0], B=fields[1], VALUE=_AHEAD)
-        self._abort_stream.synchronize()
+        _ahead(self.flags, *fields, self._abort_stream)
 
 
 def pair_ipc(pair, rank: int, device) -> IpcChannel:
