@@ -209,6 +209,8 @@ class IpcChannel:
         self._keepalive = views  # read by kernels still queued
 
     def recv_raw(self, out: list[torch.Tensor]) -> None:
+        if not all(t.is_contiguous() for t in out):  # a reshape would copy: the bytes would land elsewhere
+            raise ValueError("recv_raw needs contiguous tensors")
         views = [byte_view(t) for t in out]
         self._move(views, to_ring=False, direction=1 - self.rank)
 
