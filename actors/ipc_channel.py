@@ -127,17 +127,22 @@ _KERNELS = None
 _BLOCK = 8192
 
 
-def _copy(src: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor, slot_offset: int, to_ring: bool,
-          direction: int, slots: int, slot_bytes: int) -> None:
+def _loaded():
+    """(copy, count, ahead): compiled on first use."""
     global _KERNELS
-    if flags.device.type != "cuda":
-        return copy_reference(src, dst, flags, slot_offset, to_ring, direction, slots, slot_bytes)
     if _KERNELS is None:
         _KERNELS = _kernels()
+    return _KERNELS
+
+
+def _copy(src: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor, slot_offset: int, to_ring: bool,
+          direction: int, slots: int, slot_bytes: int) -> None:
+    if flags.device.type != "cuda":
+        return copy_reference(src, dst, flags, slot_offset, to_ring, direction, slots, slot_bytes)
     n = src.numel() if to_ring else dst.numel()
     # A small grid: the waiting programs stay resident beside whatever else runs.
     grid = (max(1, min(-(-n // _BLOCK), 64)),)
-    _KERNELS[0][grid](src, dst, flags, n, slot_offset, TO_RING=to_ring,
+    _loaded()[0][grid](src, dst, flags, n, slot_offset, TO_RING=to_ring,
                       POSTED=counter_index(direction, False), ACKED=counter_index(direction, True),
                       SLOTS_=slots, SLOT_BYTES_=slot_bytes, BLOCK=_BLOCK)
 
@@ -145,11 +150,8 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor, slot_offset
 def _ahead(flags: torch.Tensor, a: int, b: int, stream) -> None:
     """Counters ``a`` and ``b`` of ``flags`` jump ahead, written on
     ``stream`` (waited for)."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
     with torch.cuda.stream(stream):
-        _KERNELS[2][(1,)](flags, A=a, B=b, VALUE=_AHEAD)
+        _loaded()[2][(1,)](flags, A=a, B=b, VALUE=_AHEAD)
     stream.synchronize()
 
 
@@ -157,7 +159,7 @@ def _count(flags: torch.Tensor, field: int) -> None:
     if flags.device.type != "cuda":
         flags[field] += 1
         return
-    _KERNELS[1][(1,)](flags, FIELD=field)
+    _loaded()[1][(1,)](flags, FIELD=field)
 
 
 class IpcChannel:

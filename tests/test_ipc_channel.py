@@ -24,14 +24,14 @@ def test_chunks_cut_a_message_into_slots_in_order():
     assert all(sum(n for *_, n in c) <= 16 for c in chunks(sizes, 16))
 
 
-def _messages(seed: int, device="cpu") -> list[list[torch.Tensor]]:
+def _messages(seed: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in (1, 7, 40, 3):
-        out.append([torch.randn(n, 5, generator=g).to(torch.bfloat16).to(device),
-                    torch.randint(0, 1 << 40, (n, 3), generator=g).to(device),
-                    torch.zeros(0, dtype=torch.int32).to(device),
-                    (torch.rand(n, generator=g) > 0.5).to(device)])
+        out.append([torch.randn(n, 5, generator=g).to(torch.bfloat16),
+                    torch.randint(0, 1 << 40, (n, 3), generator=g),
+                    torch.zeros(0, dtype=torch.int32),
+                    torch.rand(n, generator=g) > 0.5])
     return out
 
 
