@@ -32,8 +32,10 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   rows that verified a ``j``-th draft (a shorter chain's rows still count
   for the positions they verified), kept apart for greedy and sampled
   batches (their acceptance differs by half). The losing kinds are
-  probed now and then, each at a cost of at most ``PROBE_BUDGET`` of the
-  throughput (``probe_every``): a kind with more drafts than the winner's
+  probed now and then, all of them together at a cost of at most
+  ``PROBE_BUDGET`` of the throughput, each its share (``probe_every``;
+  on the H200 at c=1 T=0 three losing kinds probed at the whole budget
+  each cost 1.5 % where speculation ran at 1.97x): a kind with more drafts than the winner's
   at least ``PROBE_EVERY`` steps apart, one with fewer (autoregressive
   steps) ``AR_PROBE_EVERY``, and at those base cadences while a cost has
   fewer than ``CONFIRM`` timed steps. A probe is ``PROBE_STEPS`` steps in a row,
@@ -70,8 +72,9 @@ AR_PROBE_EVERY = 64
 # launches it, so only the steps between are measured (on the H100 at c=8
 # T=1, two-step probes priced AR steps at 2.45 ms where they ran at 1.46).
 PROBE_STEPS = 3
-# A probe of the losing kind costs what that kind loses: probes of each
-# losing kind are spaced to cost at most this share of the throughput (on
+# A probe of a losing kind costs what that kind loses: probes of the
+# losing kinds are spaced to cost at most this share of the throughput
+# together, each kind an equal part of it (on
 # the H200 at c=64 T=1, where a speculative step emitted 3x fewer tokens a
 # second, spec probes every 16 steps cost 13 %; at c=32 T=1 whole-block
 # probes spaced by the square of their loss still cost ~3 %) ...
@@ -143,9 +146,13 @@ class SpecPolicy:
         # A cost from fewer than CONFIRM timed steps is probed at the base
         # cadence: its first step ran where the batch size first came, and a
         # cold reading of a loser would stand until its rare probes.
+        share = PROBE_BUDGET / (len(self.options) - 1)
+
         def gap(d: int) -> int:
             base = PROBE_EVERY if d > best else AR_PROBE_EVERY
-            return base if len(self.recent.get((n, d), ())) < CONFIRM else probe_every(base, rate[best] / rate[d])
+            if len(self.recent.get((n, d), ())) < CONFIRM:
+                return base
+            return probe_every(base, rate[best] / rate[d], share)
 
         due = [d for d in self.options if d != best and self.since.get(d, 0) >= gap(d)]
         if due:
@@ -208,13 +215,14 @@ class SpecPolicy:
                 "measured": {step_key(n, d, full): list(m) for (n, d), m in sorted(self.measured.items())}}
 
 
-def probe_every(base: int, advantage: float) -> int:
-    """Steps between probes of the losing kind when the winner emits
+def probe_every(base: int, advantage: float, budget: float = PROBE_BUDGET) -> int:
+    """Steps between probes of a losing kind when the winner emits
     ``advantage`` times its tokens a second: a probe's ``PROBE_STEPS`` each
-    give up ``1 - 1/advantage`` of a step, spread to cost ``PROBE_BUDGET``,
-    ``base`` steps apart at least, ``MAX_PROBE_EVERY`` at most."""
+    give up ``1 - 1/advantage`` of a step, spread to cost ``budget`` (the
+    kind's share of ``PROBE_BUDGET``), ``base`` steps apart at least,
+    ``MAX_PROBE_EVERY`` at most."""
     loss = PROBE_STEPS * (1 - 1 / max(1.0, advantage))
-    return int(min(MAX_PROBE_EVERY, max(base, loss / PROBE_BUDGET)))
+    return int(min(MAX_PROBE_EVERY, max(base, loss / budget)))
 
 
 def step_key(n: int, drafts: int, full: int) -> str:

@@ -171,6 +171,28 @@ def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
     assert picks.index(15) == every
 
 
+def test_the_losing_kinds_probes_together_cost_the_budget():
+    """With shorter chains three kinds lose at batch 1 (the H200's c=1 T=0
+    costs and acceptance); their probes together, each an equal share,
+    give up at most PROBE_BUDGET of the winner's tokens a second (each at
+    the whole budget they gave up ~3x that), and every kind is probed."""
+    p = SpecPolicy(block_size=16, shorter=(7, 3))
+    step_ms = {15: 1.284, 7: 1.075, 3: 1.073, 0: 0.926}
+    emits = {15: 2.88, 7: 1.93, 3: 1.91, 0: 1.0}
+    for d in p.options:
+        for _ in range(CONFIRM):
+            p.observe(1, d, step_ms[d] / 1000, "greedy")
+    p.survival[("greedy", "chain")] = [0.5, 0.25, 0.16] + [0.0] * 12  # ~1.9 tokens from 3 or 7 drafts
+    p.survival[("greedy", "tree")] = [0.8, 0.5, 0.3, 0.2, 0.08] + [0.0] * 10  # 2.88 from the block
+    p.tree = True
+    picks = [p.choose(1, "greedy") for _ in range(20000)]
+    assert {15, 7, 3, 0} == set(picks)
+    best = emits[15] / step_ms[15]
+    tokens, ms = sum(emits[d] for d in picks), sum(step_ms[d] for d in picks)
+    lost = 1 - tokens / ms / best
+    assert 0 < lost <= PROBE_BUDGET * 1.1
+
+
 def test_a_step_after_another_kind_is_not_timed():
     """The engine times a step only when the step applied before it and the
     step launched beside it are of its kind and batch size: the cycle after
