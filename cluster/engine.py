@@ -40,7 +40,7 @@ from specray.join_wait import JoinWait
 from specray.request import Request, RequestOutput
 from specray.prompt_lookup import merge_lookup_drafts
 from specray.sampling import SamplingParams, SamplingTensors
-from specray.staging import host_to_device
+from specray.staging import host_to_device, int64_tensor
 from specray.step_buffers import HistorySlots, ResultBuffers
 from specray.scheduler import Scheduler
 from specray.spec_policy import SpecPolicy, scripted, step_key
@@ -478,7 +478,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         """The drafter's context of the last forward's tapped ``rows`` (all
         of them for None) at ``positions``, into its cache ``slots``."""
         self.drafter.store_context(
-            self.target.hidden_rows(None if rows is None else torch.tensor(rows, dtype=torch.int64)),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(slots, dtype=torch.int64),
+            self.target.hidden_rows(None if rows is None else int64_tensor(rows)),
+            int64_tensor(positions),
+            int64_tensor(slots),
         )

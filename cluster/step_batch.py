@@ -11,7 +11,7 @@ from specray.plan import AttentionMetadata, DraftBatch, TargetBatch
 from specray.prompt_lookup import NgramIndex, lookup_rows
 from specray.sampling import SamplingTensors
 from specray.scheduler import DecodeItem, PrefillItem
-from specray.staging import host_to_device
+from specray.staging import host_to_device, int64_tensor
 
 
 class StepBatches:
@@ -81,7 +81,7 @@ class StepBatches:
         ctx = [d.request.num_computed for d in decode]
         return DraftBatch(
             block_ids=block_ids,
-            ctx_lens=torch.tensor(ctx, dtype=torch.int64),
+            ctx_lens=int64_tensor(ctx),
             block_lens=torch.tensor([d.block_len for d in decode], dtype=torch.int64),
             block_tables=block_table_tensor([d.request.draft_blocks.blocks for d in decode]),
             max_ctx_len=max(ctx),
@@ -141,20 +141,20 @@ class StepBatches:
             starts.append(len(ids))
         q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
         attn = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            positions=int64_tensor(positions),
+            slot_mapping=int64_tensor(slots),
+            query_start_loc=int64_tensor(starts),
+            seq_lens=int64_tensor(seq_lens),
             block_tables=block_table_tensor(tables),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
         )
         batch = TargetBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
+            input_ids=int64_tensor(ids),
             attn=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            logits_indices=int64_tensor(logits_indices),
             want_hidden=self.drafter is not None,
             uniform_rows=self.block_size if uniform else 0,
         )
-        logit_rows = (torch.tensor(verify_rows, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64))
-        return batch, torch.tensor(draft_dst, dtype=torch.int64), torch.tensor(draft_src, dtype=torch.int64), logit_rows
+        logit_rows = (int64_tensor(verify_rows), int64_tensor(sample_rows))
+        return batch, int64_tensor(draft_dst), int64_tensor(draft_src), logit_rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from specray.request import Request
+from specray.staging import int64_tensor
 
 
 class HistorySlots:
@@ -44,7 +45,7 @@ class HistorySlots:
             values += tokens[k:]
             r.history_on_device = len(tokens)
             slots.append(r.history_slot)
-        return torch.tensor(slots, dtype=torch.int64), torch.tensor([rows, cols, values], dtype=torch.int64)
+        return int64_tensor(slots), int64_tensor([rows, cols, values])
 
     def clear(self) -> None:
         """The history buffer went with its graphs: no row holds anything."""
