@@ -40,12 +40,16 @@ def peer_send(channel, tensors: list[torch.Tensor]) -> None:
         channel.send_raw(tensors)
 
 
-def peer_recv(channel, out: list[torch.Tensor]) -> None:
+def peer_recv(channel, out: list[torch.Tensor], placeholder: Callable | None = None) -> None:
     """``channel.recv_raw`` inside a step graph; while warming the buffers
-    are zeros (in-bounds tokens and indices for the warm-up's kernels)."""
+    are zeros, then ``placeholder(out)`` where zeros are not a valid
+    message (a draft tree's depths start at 1): the warm-up's kernels must
+    index in bounds."""
     if warming():
         for t in out:
             t.zero_()
+        if placeholder is not None:
+            placeholder(out)
     else:
         channel.recv_raw(out)
 

@@ -41,6 +41,7 @@ from specray.actors.step_parts import (
     kept_rows,
     padding,
     propose,
+    placeholder_drafted,
     sampling_tensors,
     state_buffers,
     unpack_drafted,
@@ -139,7 +140,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
         elif remote is not None and speculate:
             got = drafted_buffers(n, B, use_tree, sampling != "greedy" and not use_tree, cfg.draft_top_k, dev)
             with remote_part("receiving its proposal"):
-                peer_recv(remote, got)
+                peer_recv(remote, got, lambda ts: placeholder_drafted(ts, B))
             drafted = unpack_drafted(got, B)
         else:
             drafted = None

@@ -178,6 +178,19 @@ def drafted_buffers(n: int, B: int, tree: bool, sampled: bool, top_k: int, dev) 
     return out
 
 
+def placeholder_drafted(ts: list[torch.Tensor], B: int) -> None:
+    """A capture's warm-up stand-in for a proposal that did not come
+    (graphs.peer_recv): ``drafted_buffers``' zeros, a tree's columns a
+    chain (node j's parent row j, depth j + 1, row i attending rows 0..i);
+    all-zero depths sent the tree acceptance's scatter to row -1."""
+    ints, G = ts[0], B - 1
+    if ints.shape[1] > B + 1:
+        o, j = B + 1, torch.arange(G + 1, dtype=torch.int64, device=ints.device)
+        ints[:, o : o + G] = j[:G]
+        ints[:, o + G : o + 2 * G] = j[1:]
+        ints[:, o + 2 * G :] = (1 << (j + 1)) - 1
+
+
 def unpack_drafted(ts: list[torch.Tensor], B: int) -> Drafted:
     ints, G = ts[0], B - 1
     shape = None

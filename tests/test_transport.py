@@ -4,6 +4,7 @@ non-contiguous tensors, bit for bit."""
 import multiprocessing as mp
 import os
 
+import pytest
 import torch
 from specray.actors import transport as T
 
@@ -122,3 +123,33 @@ def test_step_graph_exchanges_skip_capture_warmups(monkeypatch):
 
     graphs.peer_send(Peer(), [torch.ones(2)])
     assert len(sent) == 1 and not graphs.warming()
+
+
+def test_a_warmup_stand_in_for_a_draft_tree_keeps_the_acceptance_in_bounds():
+    """Rank 0's warm-up gets no proposal (the test above): its received tree
+    must still be one, since the acceptance scatters by depth - 1 (all-zero
+    depths sent it to row -1: on the H100 a device assert in rank 0's
+    capture with the drafter in its own process)."""
+    from specray.actors import graphs
+    from specray.actors.step_parts import drafted_buffers, placeholder_drafted, unpack_drafted
+    from specray.draft_tree import accept_greedy
+
+    n, B = 3, 8
+    got = drafted_buffers(n, B, tree=True, sampled=False, top_k=4, dev="cpu")
+    graphs._warm.on = True
+    try:
+        graphs.peer_recv(_NoTraffic(), got)
+        with pytest.raises((RuntimeError, IndexError)):  # zeros: no tree
+            accept_greedy(torch.zeros(n, B, dtype=torch.int64), *_tree_args(unpack_drafted(got, B), n, B))
+        graphs.peer_recv(_NoTraffic(), got, lambda ts: placeholder_drafted(ts, B))
+    finally:
+        graphs._warm.on = False
+    drafted = unpack_drafted(got, B)
+    assert drafted.shape.depth.tolist() == [list(range(1, B))] * n  # a chain
+    acc = accept_greedy(torch.zeros(n, B, dtype=torch.int64), *_tree_args(drafted, n, B))
+    assert acc.num_accepted.tolist() == [B - 1] * n  # zero drafts matching a zero target: the whole chain
+    assert acc.path_rows.tolist() == [list(range(1, B))] * n
+
+
+def _tree_args(drafted, n: int, B: int) -> tuple:
+    return drafted.drafts, drafted.shape, torch.full((n,), B - 1)
