@@ -115,10 +115,14 @@ def _kernels():
     def count_kernel(flags_ptr, FIELD: tl.constexpr):
         tl.atomic_add(flags_ptr + FIELD, 1, sem="release", scope="sys")
 
-    @triton.jit
-    def ahead_kernel(flags_ptr, A: tl.constexpr, B: tl.constexpr, VALUE: tl.constexpr):
-        tl.atomic_xchg(flags_ptr + A, VALUE, sem="release", scope="sys")
-        tl.atomic_xchg(flags_ptr + B, VALUE, sem="release", scope="sys")
+    # The counters are arguments, not constants, and not specialized on:
+    # the kernel loaded when the channel is made is the one ``abort`` runs
+    # (loading another while a dead peer's wait holds the device hung the
+    # H100's abort test).
+    @triton.jit(do_not_specialize=["a", "b"])
+    def ahead_kernel(flags_ptr, a, b, VALUE: tl.constexpr):
+        tl.atomic_xchg(flags_ptr + a, VALUE, sem="release", scope="sys")
+        tl.atomic_xchg(flags_ptr + b, VALUE, sem="release", scope="sys")
 
     return copy_kernel, count_kernel, ahead_kernel
 
@@ -151,7 +155,7 @@ def _ahead(flags: torch.Tensor, a: int, b: int, stream) -> None:
     """Counters ``a`` and ``b`` of ``flags`` jump ahead, written on
     ``stream`` (waited for)."""
     with torch.cuda.stream(stream):
-        _loaded()[2][(1,)](flags, A=a, B=b, VALUE=_AHEAD)
+        _loaded()[2][(1,)](flags, a, b, VALUE=_AHEAD)
     stream.synchronize()
 
 
@@ -181,7 +185,7 @@ class IpcChannel:
         if self.device.type == "cuda":
             self._abort_stream = torch.cuda.Stream(self.device)
             scratch = torch.zeros(4 * _FIELD, dtype=torch.int64, device=self.device)
-            _ahead(scratch, 0, _FIELD, self._abort_stream)
+            _ahead(scratch, *self._abort_fields(), self._abort_stream)
 
     @classmethod
     def create(cls, device, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> "IpcChannel":
@@ -235,12 +239,17 @@ class IpcChannel:
         holds) and later ones do not start. A one-program kernel on a
         stream of its own writes them, beside the waiting kernels (their
         grids are small: they leave room on the SMs)."""
-        fields = (counter_index(1 - self.rank, False), counter_index(self.rank, True))
+        fields = self._abort_fields()
         if self._abort_stream is None:
             for field in fields:
                 self.flags[field] = _AHEAD
             return
         _ahead(self.flags, *fields, self._abort_stream)
+
+    def _abort_fields(self) -> tuple[int, int]:
+        """What ``abort`` pushes ahead: the peer's posted count (this side's
+        receives end) and its acked count of this side's sends."""
+        return counter_index(1 - self.rank, False), counter_index(self.rank, True)
 
 
 def pair_ipc(pair, rank: int, device) -> IpcChannel:
