@@ -87,7 +87,10 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Nothing but the constants is specialized on (sizes, offsets, the
+    # tensors' alignment): the variants a channel runs are the two it loads
+    # when it is made (IpcChannel._preload).
+    @triton.jit(do_not_specialize=["src_ptr", "dst_ptr", "nbytes", "slot_offset"])
     def copy_kernel(src_ptr, dst_ptr, flags_ptr, nbytes, slot_offset, TO_RING: tl.constexpr,
                     POSTED: tl.constexpr, ACKED: tl.constexpr, SLOTS_: tl.constexpr, SLOT_BYTES_: tl.constexpr,
                     BLOCK: tl.constexpr):
@@ -179,13 +182,26 @@ class IpcChannel:
         self.slots, self.slot_bytes = slots, slot_bytes
         self.device = ring.device
         self._keepalive: list[torch.Tensor] = []
-        # Made now: ``abort`` runs while a dead peer holds a stream, when
-        # loading a kernel's module could wait for the device.
         self._abort_stream = None
         if self.device.type == "cuda":
             self._abort_stream = torch.cuda.Stream(self.device)
-            scratch = torch.zeros(4 * _FIELD, dtype=torch.int64, device=self.device)
-            _ahead(scratch, *self._abort_fields(), self._abort_stream)
+            self._preload()
+
+    def _preload(self) -> None:
+        """Every kernel this end will launch, run once on scratch counters
+        that let it through: a kernel's first launch loads its module, and
+        a load waits for this process's queued kernels, so one behind a
+        wait that only the peer (or ``abort``) ends never came (on the
+        H100 the first receive's count kernel hung the abort test)."""
+        scratch = torch.zeros(4 * _FIELD, dtype=torch.int64, device=self.device)
+        scratch[counter_index(1 - self.rank, False)] = 1  # a posted message: the receive does not wait
+        nothing = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        for to_ring, direction in ((True, self.rank), (False, 1 - self.rank)):
+            src, dst = (nothing[:0], nothing) if to_ring else (nothing, nothing[:0])  # no bytes
+            _copy(src, dst, scratch, 0, to_ring, direction, self.slots, self.slot_bytes)
+            _count(scratch, counter_index(direction, acked=not to_ring))
+        _ahead(scratch, *self._abort_fields(), self._abort_stream)
+        torch.cuda.synchronize(self.device)
 
     @classmethod
     def create(cls, device, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> "IpcChannel":
