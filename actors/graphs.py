@@ -71,7 +71,9 @@ class DecodeGraphs:
     ``max_seqs * rows_per_seq[name]``; ``pad`` gives the value padded rows
     take (a tensor broadcast over the padded rows, or a scalar). ``fn(n)``
     runs the model on the first ``n`` sequences of the buffers and returns
-    its outputs."""
+    its outputs. ``keep``: tensors besides the buffers that ``fn`` updates
+    (state a step hands the next one), which a capture's warm-up calls
+    give back as they were, as they do the buffers."""
 
     def __init__(
         self,
@@ -81,9 +83,11 @@ class DecodeGraphs:
         pad: dict[str, object],
         max_seqs: int,
         device: torch.device,
+        keep: tuple[torch.Tensor, ...] = (),
     ):
         self.fn = fn
         self.buffers = buffers
+        self.keep = keep
         self.rows = rows_per_seq
         self.pad = pad
         self.max_seqs = max_seqs
@@ -140,23 +144,27 @@ class DecodeGraphs:
         else:
             tail.fill_(pad)
 
+    def warm_up(self, size: int) -> None:
+        """``fn``'s two warm-up calls before a capture (Triton compiles, the
+        allocator settles), exchanging nothing with peers (``warming``).
+        A function that updates its own buffers (the step graph's next
+        inputs) or ``keep`` gets them back as they were."""
+        saved = [t.clone() for t in (*self.buffers.values(), *self.keep)]
+        _warm.on = True
+        try:
+            for _ in range(2):
+                self.fn(size)
+        finally:
+            _warm.on = False
+        for t, was in zip((*self.buffers.values(), *self.keep), saved):
+            t.copy_(was)
+
     def _capture(self, size: int) -> None:
-        # Warm up on a side stream (Triton compiles, allocator settles), then
-        # capture; all sizes share one memory pool.
-        # A function that updates its own buffers (the step graph's next
-        # inputs) gets them back as they were before the warm-up runs.
-        saved = {name: buf.clone() for name, buf in self.buffers.items()}
+        # Warm up on a side stream, then capture; all sizes share one memory pool.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            _warm.on = True
-            try:
-                for _ in range(2):
-                    self.fn(size)
-            finally:
-                _warm.on = False
-            for name, buf in self.buffers.items():
-                buf.copy_(saved[name])
+            self.warm_up(size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

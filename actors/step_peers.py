@@ -191,7 +191,12 @@ def build_drafter_graphs(drafter, cfg: StepSettings, mode: str, tree, kind: int,
         peer_send(channel, pack_drafted(drafted))
         return ()
 
-    return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, mode, cfg.max_seqs), cfg.max_seqs, dev)
+    # ``prev`` is the step's hand-over to the next (shared by the lane's
+    # graphs of every kind): a capture's warm-ups must leave it as the last
+    # real step left it, or the next replay stores its context at the
+    # warm-up's positions and slots.
+    return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, mode, cfg.max_seqs), cfg.max_seqs, dev,
+                        keep=tuple(prev.values()))
 
 
 def apply_join(bufs: dict, inputs: dict, first: torch.Tensor, max_seqs: int) -> None:

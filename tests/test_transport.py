@@ -153,3 +153,26 @@ def test_a_warmup_stand_in_for_a_draft_tree_keeps_the_acceptance_in_bounds():
 
 def _tree_args(drafted, n: int, B: int) -> tuple:
     return drafted.drafts, drafted.shape, torch.full((n,), B - 1)
+
+
+def test_a_capture_warm_up_gives_back_the_buffers_and_the_state_it_keeps():
+    """A step that hands state to the next step outside its buffers (a
+    separate drafter's ``prev`` positions and slots) declares it ``keep``:
+    the warm-up calls give it back, or the replay after a capture stored
+    its context where the warm-ups' step would have (H100: wrong context,
+    the drafter's gathers out of bounds)."""
+    from specray.actors import graphs
+
+    buf, state = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    seen = []
+
+    def step(n):
+        seen.append(graphs.warming())
+        buf[:n] += 1
+        state[:n] += 10
+        return ()
+
+    g = graphs.DecodeGraphs(step, {"x": buf}, {"x": 1}, {"x": 0}, 4, torch.device("cpu"), keep=(state,))
+    g.warm_up(4)
+    assert seen == [True, True] and not graphs.warming()
+    assert buf.eq(0).all() and state.eq(0).all()
