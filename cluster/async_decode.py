@@ -173,7 +173,14 @@ class AsyncSteps:
         for w in workers:
             if not getattr(w, "runs_step_graphs", False):
                 return getattr(w, "step_graphs_unsupported", None) or "needs step graphs on every worker"
+        if self.device.type == "cuda" and self.drafter_apart() and not self.config.remote_step_graphs:
+            return "the drafter is in another process, whose half of the step graphs has not passed a GPU " \
+                   "test (remote_step_graphs=True runs them)"
         return None
+
+    def drafter_apart(self) -> bool:
+        """A drafter in another process (it replays its half of the step graphs)."""
+        return self.drafter is not None and not getattr(self.drafter, "local_model", False)
 
     def _async_eligible(self, plan) -> bool:
         """A decode-only step, with the target (TP 1) and the drafter in

@@ -374,10 +374,9 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             out["cuda_graphs"]["note"] = "a target at TP > 1 replays decode steps as step graphs on every rank " \
                                          "(async_scheduling); prefills and synchronous steps run eagerly"
         out["async_scheduling"] = feature(self.async_capable([]), self._async_unsupported())
-        if out["async_scheduling"]["on"] and cuda and self.drafter is not None and \
-                not getattr(self.drafter, "local_model", False):
+        if out["async_scheduling"]["on"] and cuda and self.drafter_apart():
             out["async_scheduling"]["note"] = "the drafter replays its half of the step graphs in its own " \
-                "process: no GPU test of that has passed yet (docs/architecture.md, 'Not built yet')"
+                "process (remote_step_graphs=True): no GPU test of that has passed yet (docs/architecture.md)"
         if self.drafter is not None:
             reason = "turned off (draft_tree=False)" if self.config.draft_tree is False else \
                 tree_unsupported(self.block_size, self.target_spec.layer_window)

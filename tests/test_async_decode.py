@@ -563,3 +563,31 @@ def test_features_say_whether_requests_join_running_chains(models):
     off = engine(models, True, True, admit_into_chain=False).features()["admit_into_chain"]
     assert off == {"on": False, "reason": "turned off (admit_into_chain=False)"}
     assert engine(models, True, False).features()["admit_into_chain"] == {"on": False, "reason": "needs async_scheduling"}
+
+
+def test_gpu_step_graphs_with_a_drafter_in_another_process_are_opt_in():
+    """On a GPU a drafter in another process replays its half of the step
+    graphs only with remote_step_graphs=True (no GPU test of that has
+    passed): without it the engine runs synchronous steps and says why; a
+    drafter in rank 0's process, and every CPU engine, are unaffected."""
+    from types import SimpleNamespace
+
+    from specray.async_decode import AsyncSteps
+    from specray.config import EngineConfig
+
+    class Remote:
+        runs_step_graphs = True
+
+    class Local(Remote):
+        local_model = True
+
+    def unsupported(drafter, device, **kw):
+        core = SimpleNamespace(config=EngineConfig(target="t", device=device, cuda_graphs=True, async_scheduling=True,
+                                                   **kw), device=torch.device(device), target=Local(), drafter=drafter)
+        core.drafter_apart = lambda: AsyncSteps.drafter_apart(core)
+        return AsyncSteps._async_unsupported(core)
+
+    assert "remote_step_graphs=True" in unsupported(Remote(), "cuda")
+    assert unsupported(Remote(), "cuda", remote_step_graphs=True) is None
+    assert unsupported(Local(), "cuda") is None and unsupported(None, "cuda") is None
+    assert unsupported(Remote(), "cpu") is None

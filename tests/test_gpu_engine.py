@@ -340,7 +340,8 @@ def test_gpu_ray_separate_drafter_on_one_gpu_runs_the_step_graphs(ckpt):
     want = [o.token_ids for o in local.generate(PROMPTS, greedy)]
     want_sampled = [o.token_ids for o in local.generate(PROMPTS, sampled)]
     del local
-    llm = LLM(ckpt / "t", ckpt / "d", backend="ray", drafter_placement="separate_same_gpu", **kw)
+    llm = LLM(ckpt / "t", ckpt / "d", backend="ray", drafter_placement="separate_same_gpu", remote_step_graphs=True,
+              **kw)
     try:
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["cuda_graphs"]["on"], features
