@@ -91,3 +91,19 @@ def test_prefill_then_paged_verify_matches_hf(tmp_path, arch, overrides):
         ref = [hf(torch.tensor([s]), output_hidden_states=True) for s in seqs]
     check({0: (17, 21), 1: (9, 12), 2: (17, 20)})
     check({2: (20, 24), 0: (21, 23)})
+
+
+def test_slots_of_any_range_are_each_positions_block_and_offset():
+    """``BlockTable.slots`` in runs a block: equal to the per-position
+    definition for ranges starting and ending anywhere in and across blocks."""
+    import random
+
+    rng = random.Random(0)
+    table = BlockTable(BlockAllocator(200, 16))
+    table.reserve(1500)
+    rng.shuffle(table.blocks)
+    for _ in range(500):
+        a = rng.randrange(0, 1400)
+        b = rng.randrange(a, 1500)
+        assert table.slots(a, b) == [table.blocks[p // 16] * 16 + p % 16 for p in range(a, b)]
+    assert table.slots(5, 5) == []
