@@ -34,9 +34,9 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   batches (their acceptance differs by half). The losing kinds are
   probed now and then, all of them together at a cost of at most
   ``PROBE_BUDGET`` of the throughput, each its share (``probe_every``;
-  on the H200 at c=1 T=0 three losing kinds probed at the whole budget
-  each cost 1.5 % where speculation ran at 1.97x): a kind with more drafts than the winner's
-  at least ``PROBE_EVERY`` steps apart, one with fewer (autoregressive
+  on the H200 at c=1 T=0 three losing kinds, each at the whole budget,
+  together cost ~1.5 % where speculation ran at 1.97x): a kind with more
+  drafts than the winner's at least ``PROBE_EVERY`` steps apart, one with fewer (autoregressive
   steps) ``AR_PROBE_EVERY``, and at those base cadences while a cost has
   fewer than ``CONFIRM`` timed steps. A probe is ``PROBE_STEPS`` steps in a row,
   and the engine measures no step whose kind or batch size differs from
