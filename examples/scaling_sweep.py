@@ -206,14 +206,16 @@ def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, 
     for tp, placement, replicas in itertools.product(args.tp, args.placement, args.replicas):
         need = gpus_needed(tp, placement, replicas)
         base = {"tp": tp, "placement": placement, "replicas": replicas, "gpus": need if have is not None else 0,
-                "cuda_graphs": args.cuda_graphs and tp == 1}  # graphs exist for TP 1 only
+                "cuda_graphs": args.cuda_graphs and tp == 1,  # graphs exist for TP 1 only
+                "remote_step_graphs": args.remote_step_graphs}
         if have is not None and need > have:
             record({**base, "skipped": f"needs {need} GPUs, {have} here"})
             continue
         for mode, d in (("spec", drafter), ("ar", None)):
             llms = [LLM(target, d, device=args.device, backend="ray", tensor_parallel_size=tp,
                         drafter_placement=placement, max_model_len=args.max_model_len,
-                        max_num_seqs=max(args.concurrency), cuda_graphs=args.cuda_graphs) for _ in range(replicas)]
+                        max_num_seqs=max(args.concurrency), cuda_graphs=args.cuda_graphs,
+                        remote_step_graphs=args.remote_step_graphs) for _ in range(replicas)]
             try:
                 # An untimed pass at every concurrency (allocator, first steps):
                 # graphs get captured and Triton compiles the kernel variants
@@ -271,6 +273,9 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (TP 1)")
+    p.add_argument("--remote-step-graphs", action="store_true",
+                   help="with --cuda-graphs, a separate drafter replays its half of async step graphs (opt-in on "
+                        "GPUs: EngineConfig.remote_step_graphs)")
     p.add_argument("--out", default="sweep.json")
     args = p.parse_args(argv)
     if not args.shape and not (args.target and args.drafter):
