@@ -90,7 +90,8 @@ def _kernels():
     # Nothing but the constants is specialized on (sizes, offsets, the
     # tensors' alignment): the variants a channel runs are the two it loads
     # when it is made (IpcChannel._preload).
-    @triton.jit(do_not_specialize=["src_ptr", "dst_ptr", "nbytes", "slot_offset"])
+    @triton.jit(do_not_specialize=["src_ptr", "dst_ptr", "nbytes", "slot_offset"],
+                do_not_specialize_on_alignment=["src_ptr", "dst_ptr"])
     def copy_kernel(src_ptr, dst_ptr, flags_ptr, nbytes, slot_offset, TO_RING: tl.constexpr,
                     POSTED: tl.constexpr, ACKED: tl.constexpr, SLOTS_: tl.constexpr, SLOT_BYTES_: tl.constexpr,
                     BLOCK: tl.constexpr):
