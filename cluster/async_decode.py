@@ -215,7 +215,7 @@ class AsyncSteps:
             from specray.actors.step_parts import StepSettings
 
             target = getattr(self.target, "worker", self.target)
-            local = self.drafter if getattr(self.drafter, "local_model", False) else None
+            local = None if self.drafter_apart() else self.drafter
             settings = StepSettings.make(self.config, self.block_size, self.max_model_len,
                                          self.drafter_spec.mask_token_id if self.drafter_spec else None)
             shared = self._step_buffers.setdefault(lane, {})

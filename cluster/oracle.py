@@ -319,7 +319,7 @@ def oracle_unsupported(engine) -> str | None:
     or None."""
     if engine.drafter is None:
         return "needs a drafter (its forward runs at its real shape)"
-    if not getattr(engine.drafter, "local_model", False):
+    if engine.drafter_apart():
         return "needs the drafter in this process (the in-process backend)"
     if engine.tree is not None:
         return "drafts chains only: build the engine with draft_tree=False"
