@@ -15,6 +15,7 @@ exact (tests/test_kernels.py captures and replays them).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -32,6 +33,16 @@ def warming() -> bool:
     keyed by fewer kinds than a separate drafter's, so warm-up exchanges
     would not pair up, and a later replay would take a warm-up's message."""
     return getattr(_warm, "on", False)
+
+
+@contextlib.contextmanager
+def warming_up():
+    """This thread runs warm-up calls (``warming``) while inside."""
+    _warm.on = True
+    try:
+        yield
+    finally:
+        _warm.on = False
 
 
 def peer_send(channel, tensors: list[torch.Tensor]) -> None:
@@ -150,12 +161,9 @@ class DecodeGraphs:
         A function that updates its own buffers (the step graph's next
         inputs) or ``keep`` gets them back as they were."""
         saved = [t.clone() for t in (*self.buffers.values(), *self.keep)]
-        _warm.on = True
-        try:
+        with warming_up():
             for _ in range(2):
                 self.fn(size)
-        finally:
-            _warm.on = False
         for t, was in zip((*self.buffers.values(), *self.keep), saved):
             t.copy_(was)
 

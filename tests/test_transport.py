@@ -104,16 +104,13 @@ def test_step_graph_exchanges_skip_capture_warmups(monkeypatch):
 
     monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
     out = [torch.ones(3), torch.ones(2, dtype=torch.int64)]
-    graphs._warm.on = True
-    try:
+    with graphs.warming_up():
         graphs.peer_recv(_NoTraffic(), out)
         graphs.peer_send(_NoTraffic(), [torch.ones(2)])
         link = TPLink(group=None)
         link.send_verify(torch.ones(2), torch.ones(2), torch.ones(2), None, torch.ones(1, dtype=torch.int64))
         link.send_moves(torch.ones(2), torch.ones(2))
         assert link.recv(torch.ones(4, dtype=torch.int64)).eq(0).all()
-    finally:
-        graphs._warm.on = False
     assert all(t.eq(0).all() for t in out)
     sent = []
 
@@ -136,14 +133,11 @@ def test_a_warmup_stand_in_for_a_draft_tree_keeps_the_acceptance_in_bounds():
 
     n, B = 3, 8
     got = drafted_buffers(n, B, tree=True, sampled=False, top_k=4, dev="cpu")
-    graphs._warm.on = True
-    try:
+    with graphs.warming_up():
         graphs.peer_recv(_NoTraffic(), got)
         with pytest.raises((RuntimeError, IndexError)):  # zeros: no tree
             accept_greedy(torch.zeros(n, B, dtype=torch.int64), *_tree_args(unpack_drafted(got, B), n, B))
         graphs.peer_recv(_NoTraffic(), got, lambda ts: placeholder_drafted(ts, B))
-    finally:
-        graphs._warm.on = False
     drafted = unpack_drafted(got, B)
     assert drafted.shape.depth.tolist() == [list(range(1, B))] * n  # a chain
     acc = accept_greedy(torch.zeros(n, B, dtype=torch.int64), *_tree_args(drafted, n, B))
