@@ -41,6 +41,7 @@ def block_inputs(start, last, budget, target_tables, draft_tables, block_size: i
                  mask_token_id: int) -> BlockInputs:
     S, B = start.shape[0], block_size
     dev = start.device
+    start, last, budget = start.contiguous(), last.contiguous(), budget.contiguous()  # read at stride 1
 
     def i64(*shape):
         return torch.empty(*shape, dtype=torch.int64, device=dev)
@@ -101,6 +102,18 @@ def accept_advance(argmax, num_accepted, bonus, drafts, block_len, looked_up, dr
     S, G = drafts.shape
     B = G + 1
     dev = drafts.device
+    # The kernel reads and writes each row at stride 1. A separate drafter
+    # passes the acceptance as columns of rank 0's packed result (strided):
+    # read as they were, rows past the first took other rows' fields.
+    for name, t in (("start", start), ("last", last), ("budget", budget)):
+        if not t.is_contiguous():
+            raise ValueError(f"accept_advance updates {name} in place: it must be contiguous")
+    num_accepted, bonus, block_len, looked_up, real = (
+        None if t is None else t.contiguous() for t in (num_accepted, bonus, block_len, looked_up, real))
+    if draft_slots is not None:
+        draft_slots = draft_slots.contiguous()
+    if history_rows is not None:
+        history_rows = history_rows.contiguous()
     out = torch.empty(S, B + 2, dtype=torch.int64, device=dev)
     store = None if draft_slots is None else torch.empty(S, B, dtype=torch.int64, device=dev)
     if S:

@@ -327,7 +327,11 @@ def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
 def test_gpu_ray_separate_drafter_on_one_gpu_runs_the_step_graphs(ckpt):
     """The drafter as its own actor on rank 0's GPU (``separate_same_gpu``:
     NCCL cannot pair two ranks on one device, a CUDA IPC ring does): async
-    step graphs on both ends, the in-process tokens and seeded samples."""
+    step graphs on both ends, the in-process tokens and seeded samples.
+    Both engines take the policy's kinds in the same turns (trees, shorter
+    chains, autoregressive steps): a sampled chain's tokens depend on its
+    drafts, so engines whose policies measured different costs would
+    sample differently."""
     pytest.importorskip("ray")
     from specray.placement import ensure_ray
 
@@ -335,7 +339,8 @@ def test_gpu_ray_separate_drafter_on_one_gpu_runs_the_step_graphs(ckpt):
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=32, temperature=1.0, seed=11 + i, ignore_eos=True)
                for i in range(len(PROMPTS))]
-    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512,
+              extra={"policy_turns": [15, 7, 3, 0]})
     local = LLM(ckpt / "t", ckpt / "d", **kw)
     want = [o.token_ids for o in local.generate(PROMPTS, greedy)]
     want_sampled = [o.token_ids for o in local.generate(PROMPTS, sampled)]
@@ -347,6 +352,8 @@ def test_gpu_ray_separate_drafter_on_one_gpu_runs_the_step_graphs(ckpt):
         assert features["async_scheduling"]["on"] and features["cuda_graphs"]["on"], features
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
         assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == want_sampled
-        assert llm.stats()["num_async_steps"] > 10
+        stats = llm.stats()
+        assert stats["num_async_steps"] > 10
+        assert {"0", "3", "7", "15"} <= set(stats["speculation"]["steps_by_drafts"]), stats["speculation"]
     finally:
         llm.shutdown()

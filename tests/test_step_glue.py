@@ -80,7 +80,17 @@ def random_case(device, S, B, greedy, drafter, history, seed):
         drafts=drafts, looked_up=torch.rand(S, generator=g) < 0.5, real=torch.rand(S, generator=g) < 0.8,
         history=torch.randint(0, V, (S + 1, W * kvb + B), generator=g) if history else None,
         history_rows=torch.randperm(S + 1, generator=g)[:S] if history else None)
+    if not greedy and not drafter:
+        # As a separate drafter's mirror passes them: columns of the step's
+        # packed result (step_peers.build_drafter_graphs), strided.
+        packed = torch.stack([after["num_accepted"], after["bonus"], after["looked_up"].long()], 1)
+        after["num_accepted"], after["bonus"] = packed[:, 0], packed[:, 1]
+        after["looked_up"] = packed[:, 2].bool()
     move = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (args | after).items()}
+    if not greedy and not drafter:  # .to() of a strided column copies it: keep the stride on the device
+        packed = torch.stack([after["num_accepted"], after["bonus"]], 1).to(device)
+        move["num_accepted"], move["bonus"] = packed[:, 0], packed[:, 1]
+        assert not move["num_accepted"].is_contiguous()
     return {k: move[k] for k in args}, {k: move[k] for k in after}, kvb
 
 
@@ -114,6 +124,7 @@ def check_kernels(device, S, B, greedy, drafter, history):
 CASES = [  # S, B, greedy, drafter, history
     (7, 16, True, True, True), (5, 16, False, True, True), (3, 6, True, True, False), (4, 16, False, True, False),
     (6, 1, True, False, False), (2, 1, False, False, False), (1, 16, True, True, True),
+    (5, 16, False, False, True), (6, 8, False, False, False),  # a separate drafter's mirror of rank 0's step
 ]
 
 
