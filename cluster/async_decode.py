@@ -174,8 +174,8 @@ class AsyncSteps:
             if not getattr(w, "runs_step_graphs", False):
                 return getattr(w, "step_graphs_unsupported", None) or "needs step graphs on every worker"
         if self.device.type == "cuda" and self.drafter_apart() and not self.config.remote_step_graphs:
-            return "the drafter is in another process, whose half of the step graphs has not passed a GPU " \
-                   "test (remote_step_graphs=True runs them)"
+            return "the drafter is in another process, whose half of the step graphs gives the greedy but " \
+                   "not yet the seeded samples of the in-process engine on a GPU (remote_step_graphs=True runs them)"
         return None
 
     def drafter_apart(self) -> bool:

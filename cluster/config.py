@@ -103,9 +103,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Step graphs whose drafter half a drafter in another process replays
     # (placements "separate", "separate_same_gpu", a shared drafter), on a
-    # GPU: off until a GPU test of them passes (three H100 runs failed,
-    # docs/architecture.md); such an engine runs synchronous steps and says
-    # so. True runs them (GPU tests, the multi-GPU runs). CPUs always do.
+    # GPU: off while their seeded samples differ from the in-process
+    # engine's (greedy passes, docs/architecture.md); such an engine runs
+    # synchronous steps and says so. True runs them (GPU tests, the
+    # multi-GPU runs). CPUs always do.
     remote_step_graphs: bool = False
     # Micro-batch overlap of asynchronous steps: a batch of at least
     # overlap_min_batch requests runs as two lanes, each a chain of step

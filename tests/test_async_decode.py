@@ -567,8 +567,9 @@ def test_features_say_whether_requests_join_running_chains(models):
 
 def test_gpu_step_graphs_with_a_drafter_in_another_process_are_opt_in():
     """On a GPU a drafter in another process replays its half of the step
-    graphs only with remote_step_graphs=True (no GPU test of that has
-    passed): without it the engine runs synchronous steps and says why; a
+    graphs only with remote_step_graphs=True (their seeded samples differ
+    from the in-process engine's there): without it the engine runs
+    synchronous steps and says why; a
     drafter in rank 0's process, and every CPU engine, are unaffected."""
     from types import SimpleNamespace
 
