@@ -63,8 +63,9 @@ def write_history(graphs, inputs: dict, uploads, first_tokens: torch.Tensor | No
     prefill, the first tokens after the prompts)."""
     dev = graphs.device
     history = graphs.buffers["history"]
-    hist_rows, cols, tokens = host_to_device(uploads, dev)
-    history.index_put_((hist_rows, cols), tokens)
+    if uploads.shape[1]:  # none where no row looks up (sampled rows)
+        hist_rows, cols, tokens = host_to_device(uploads, dev)
+        history.index_put_((hist_rows, cols), tokens)
     if first_tokens is not None:
         hist_rows, cols = host_to_device(torch.stack([inputs["slot"], inputs["start"]]), dev)
         history.index_put_((hist_rows, cols), first_tokens.to(history.dtype))

@@ -20,10 +20,16 @@ class HistorySlots:
     steps; the host's tokens are the truth, so re-sending a few the device
     already has is harmless). Rows of requests no longer running are
     reclaimed at each chain start, so ``num_slots = max_num_seqs`` suffice.
+    A request whose rows never look up (a sampled one: step graphs draft
+    lookups for greedy rows only) holds no row: it is given the padding row
+    ``num_slots``, where its steps write what nothing reads, and its tokens
+    are not uploaded (a chain at T=1 uploaded every joining prompt for
+    nothing).
     """
 
     def __init__(self, num_slots: int):
         self.owners: list[Request | None] = [None] * num_slots
+        self.padding = num_slots
 
     def prepare(self, requests: list[Request], running: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's row ``[S]``, and the uploads ``[3, N]`` (row,
@@ -35,6 +41,9 @@ class HistorySlots:
                 self.owners[i] = None
         slots, rows, cols, values = [], [], [], []
         for r in requests:
+            if not r.params.greedy:
+                slots.append(self.padding)
+                continue
             if r.history_slot is None:
                 r.history_slot = self.owners.index(None)
                 self.owners[r.history_slot] = r

@@ -430,13 +430,16 @@ def closed_loop(eng, prompts, params, concurrency: int, check=None) -> tuple[dic
 
 
 def history_rows_hold_their_tokens(eng) -> None:
-    """Each live row of the chain in flight finds its request's tokens in
-    its row of the device's token history (its lookups read them)."""
+    """Each live greedy row of the chain in flight finds its request's
+    tokens in its row of the device's token history (its lookups read
+    them); a sampled row, which never looks up, holds none."""
     if not eng._inflight or "history" not in eng._step_buffers.get(0, {}):
         return
     history = eng._step_buffers[0]["history"]
     for r in eng._inflight[0].requests:
-        if not r.finished:
+        if not r.finished and not r.params.greedy:
+            assert r.history_slot is None, r.request_id
+        elif not r.finished:
             tokens = r.all_token_ids
             assert history[r.history_slot, : len(tokens)].tolist() == tokens, r.request_id
 

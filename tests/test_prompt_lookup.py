@@ -292,3 +292,23 @@ def test_lookup_minimum_defaults_to_one_only_where_lookups_must_agree():
     assert EngineConfig(target="t", prompt_lookup_min=0).prompt_lookup_min == 0
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         EngineConfig(target="t", prompt_lookup_min=-1)
+
+
+def test_history_rows_go_to_requests_that_look_up():
+    """The step graphs' token history (step_buffers.HistorySlots): a greedy
+    request gets a row of its own and its tokens uploaded once; a sampled
+    one, whose rows never look up, the padding row and no uploads."""
+    from specray.request import Request
+    from specray.step_buffers import HistorySlots
+
+    greedy = Request("g", None, [5, 6, 7], SamplingParams(temperature=0), 0, ())
+    sampled = Request("s", None, [8, 9], SamplingParams(temperature=1.0), 0, ())
+    slots = HistorySlots(4)
+    rows, uploads = slots.prepare([sampled, greedy], [sampled, greedy])
+    assert rows.tolist() == [4, 0] and sampled.history_slot is None
+    assert uploads.tolist() == [[0, 0, 0], [0, 1, 2], [5, 6, 7]]
+    greedy.output_token_ids.append(11)
+    rows, uploads = slots.prepare([greedy, sampled], [sampled, greedy])
+    assert rows.tolist() == [0, 4] and uploads.tolist() == [[0], [3], [11]]  # only what the row lacks
+    rows, uploads = slots.prepare([sampled], [sampled])
+    assert rows.tolist() == [4] and uploads.shape == (3, 0)
