@@ -27,3 +27,21 @@ def test_plan_broadcast_bench_runs_over_gloo(tmp_path):
 
     report = mod.main(["--batch", "1", "4", "--iters", "3", "--warmup", "1", "--out", str(tmp_path / "p.json")])
     assert set(report["by_batch"]) == {"1", "4"} and all(r["median_us"] > 0 for r in report["by_batch"].values())
+
+
+def test_placement_parity_names_the_requests_that_differ(tmp_path):
+    """bench/placement_parity.py on the CPU: two in-process engines in fixed
+    policy turns agree on every request, and the report says so."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import placement_parity as mod
+    from factories import make_models
+
+    root = make_models(tmp_path / "m", block_size=8)
+    out = tmp_path / "parity.json"
+    report = mod.main(["--device", "cpu", "--target", str(root / "t"), "--drafter", str(root / "d"), "--engines",
+                       "inprocess", "inprocess_again", "--prompt-lengths", "5", "20", "--max-tokens", "12",
+                       "--turns", "7", "3", "0", "--max-model-len", "128", "--out", str(out)])
+    assert out.is_file()
+    assert report["differing_requests"]["inprocess_again"] == {"greedy": [], "greedy_acceptance": [], "sampled": [],
+                                                               "sampled_acceptance": []}
+    assert len(report["runs"]["inprocess"]["sampled"][1]) == 12
