@@ -35,6 +35,17 @@ def draft_tree_of(logits: torch.Tensor, universe: TreeUniverse, lookup: torch.Te
     return build(top_logprobs, top_ids, universe, G, lookup, has_lookup)
 
 
+def pos_slots_input(positions: torch.Tensor, slots: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[2 * rows]``: ``positions`` then ``slots``, each padded to ``rows``
+    with position 0 in the reserved slot 0 (a context graph's one input of
+    them, built where they are: a store from the host uploads once, where
+    two inputs and their padding cost six launches)."""
+    out = torch.zeros(2 * rows, dtype=torch.int64, device=positions.device)
+    out[: positions.shape[0]] = positions
+    out[rows : rows + slots.shape[0]] = slots.to(positions.device)
+    return out
+
+
 def load_shared_head(target: TargetSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's ``embed_tokens`` and ``lm_head`` (the drafter's are the
     target's own)."""
@@ -105,20 +116,22 @@ class DrafterWorker:
 
         # Context of a graphed decode step: all B verify rows of each
         # sequence, the rejected ones pointed at the reserved slot 0, so the
-        # shapes depend on the batch size alone.
+        # shapes depend on the batch size alone. ``pos_slots`` holds a
+        # store's positions, then its slots (``pos_slots_input``): one upload.
         ctx = {
             "hidden": torch.zeros(max_seqs * B, self.model.fc.shape[1], dtype=self.dtype, device=dev),
-            "positions": torch.zeros(max_seqs * B, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.zeros(max_seqs * B, dtype=torch.int64, device=dev),
+            "pos_slots": torch.zeros(max_seqs * 2 * B, dtype=torch.int64, device=dev),
         }
 
         def store(n: int):
             rows = n * B
-            self.model.store_context(ctx["hidden"][:rows], ctx["positions"][:rows], ctx["slot_mapping"][:rows],
-                                     self.kv_cache)
+            ps = ctx["pos_slots"]
+            self.model.store_context(ctx["hidden"][:rows], ps[:rows], ps[rows : 2 * rows], self.kv_cache)
             return ()
 
-        self.context_graphs = DecodeGraphs(store, ctx, dict.fromkeys(ctx, B), dict.fromkeys(ctx, 0), max_seqs, dev)
+        # Hidden rows past a store's are left as they are: their slots are the reserved slot 0.
+        self.context_graphs = DecodeGraphs(store, ctx, {"hidden": B, "pos_slots": 2 * B},
+                                           {"hidden": None, "pos_slots": 0}, max_seqs, dev)
 
     # The model and its context cache live in this process (step_graph.py).
     local_model = True
@@ -156,8 +169,10 @@ class DrafterWorker:
             step = g.max_seqs * B
             for i in range(0, n, step):
                 rows = min(step, n - i)
-                g.run(-(-rows // B), {"hidden": hidden_tapped[i : i + rows], "positions": positions[i : i + rows],
-                                      "slot_mapping": slot_mapping[i : i + rows]})
+                seqs = g.padded(-(-rows // B))
+                g.run(seqs, {"hidden": hidden_tapped[i : i + rows],
+                             "pos_slots": pos_slots_input(positions[i : i + rows], slot_mapping[i : i + rows],
+                                                          seqs * B)})
             return
         self.model.store_context(
             hidden_tapped.to(self.device, non_blocking=True),

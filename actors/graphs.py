@@ -80,7 +80,8 @@ class DecodeGraphs:
 
     ``buffers`` maps a name to a tensor whose first dimension is
     ``max_seqs * rows_per_seq[name]``; ``pad`` gives the value padded rows
-    take (a tensor broadcast over the padded rows, or a scalar). ``fn(n)``
+    take (a tensor broadcast over the padded rows, a scalar, or None: left
+    as they are, for rows whose values ``fn`` never lets count). ``fn(n)``
     runs the model on the first ``n`` sequences of the buffers and returns
     its outputs. ``keep``: tensors besides the buffers that ``fn`` updates
     (state a step hands the next one), which a capture's warm-up calls
@@ -150,6 +151,8 @@ class DecodeGraphs:
 
     def _fill(self, name: str, tail: torch.Tensor) -> None:
         pad = self.pad[name]
+        if pad is None:
+            return
         if isinstance(pad, torch.Tensor):
             tail.copy_(pad[: tail.shape[0]])
         else:
