@@ -47,7 +47,7 @@ def run(target: str, drafter: str, prompts: list[list[int]], args, **engine) -> 
         return out
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, "cuda")
     p.add_argument("--dtype", default="float32")

@@ -80,15 +80,11 @@ def random_case(device, S, B, greedy, drafter, history, seed):
         drafts=drafts, looked_up=torch.rand(S, generator=g) < 0.5, real=torch.rand(S, generator=g) < 0.8,
         history=torch.randint(0, V, (S + 1, W * kvb + B), generator=g) if history else None,
         history_rows=torch.randperm(S + 1, generator=g)[:S] if history else None)
+    move = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (args | after).items()}
     if not greedy and not drafter:
         # As a separate drafter's mirror passes them: columns of the step's
         # packed result (step_peers.build_drafter_graphs), strided.
-        packed = torch.stack([after["num_accepted"], after["bonus"], after["looked_up"].long()], 1)
-        after["num_accepted"], after["bonus"] = packed[:, 0], packed[:, 1]
-        after["looked_up"] = packed[:, 2].bool()
-    move = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (args | after).items()}
-    if not greedy and not drafter:  # .to() of a strided column copies it: keep the stride on the device
-        packed = torch.stack([after["num_accepted"], after["bonus"]], 1).to(device)
+        packed = torch.stack([move["num_accepted"], move["bonus"]], 1)
         move["num_accepted"], move["bonus"] = packed[:, 0], packed[:, 1]
         assert not move["num_accepted"].is_contiguous()
     return {k: move[k] for k in args}, {k: move[k] for k in after}, kvb
