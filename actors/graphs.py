@@ -162,12 +162,26 @@ class DecodeGraphs:
         """``fn``'s two warm-up calls before a capture (Triton compiles, the
         allocator settles), exchanging nothing with peers (``warming``).
         A function that updates its own buffers (the step graph's next
-        inputs) or ``keep`` gets them back as they were."""
-        saved = [t.clone() for t in (*self.buffers.values(), *self.keep)]
+        inputs) or ``keep`` gets them back as they were.
+
+        The calls run on padding rows only (block 0): they execute, and a
+        capture may come before its first inputs (``capture_all``), when
+        the buffers still hold the last chain's rows, whose blocks other
+        requests' prompts may hold by now (they wrote the target's and the
+        drafter's K/V there: on the H100 a sampled generate after a greedy
+        one drew other samples than a fresh engine). Buffers padded with
+        None are neither filled nor saved: their rows count only where a
+        live row points (the token history, shared by lanes that may be
+        running meanwhile; a store's hidden rows), and padding rows point
+        at none of them."""
+        padded = [buf for name, buf in self.buffers.items() if self.pad[name] is not None]
+        saved = [t.clone() for t in (*padded, *self.keep)]
+        for name, buf in self.buffers.items():
+            self._fill(name, buf)
         with warming_up():
             for _ in range(2):
                 self.fn(size)
-        for t, was in zip((*self.buffers.values(), *self.keep), saved):
+        for t, was in zip((*padded, *self.keep), saved):
             t.copy_(was)
 
     def _capture(self, size: int) -> None:

@@ -37,6 +37,8 @@ import torch
 from specray.actors.graphs import DecodeGraphs, peer_recv, peer_send
 from specray.actors.step_parts import (
     StepSettings,
+    bound_drafted,
+    drafted_bounds,
     drafted_buffers,
     kept_rows,
     padding,
@@ -111,6 +113,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
     query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)
     taps = target.tap_layer_ids if speculative else ()
     use_tree = tree is not None and speculative and speculate
+    bounds = drafted_bounds(B, target.spec.vocab_size, use_tree, dev) if remote is not None else None
 
     @contextlib.contextmanager
     def remote_part(what: str):
@@ -141,6 +144,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
             got = drafted_buffers(n, B, use_tree, sampling != "greedy" and not use_tree, cfg.draft_top_k, dev)
             with remote_part("receiving its proposal"):
                 peer_recv(remote, got, lambda ts: placeholder_drafted(ts, B))
+            bound_drafted(got, bounds, target.spec.vocab_size)
             drafted = unpack_drafted(got, B)
         else:
             drafted = None

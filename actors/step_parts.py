@@ -79,9 +79,11 @@ def state_buffers(cfg: StepSettings, dev, sampling: str, draft_tables: bool, his
 
 
 def padding(bufs: dict, sampling: str, max_seqs: int) -> dict:
-    """Padding rows: block 0, positions from 0, their state reset every step."""
+    """Padding rows: block 0, positions from 0, their state reset every
+    step; their history row is the padding row (``slot``), so the token
+    history itself is never padded."""
     return dict.fromkeys(bufs, 0) | ({"top_p": 1} if sampling != "greedy" else {}) | \
-        ({"slot": max_seqs} if "slot" in bufs else {})
+        ({"slot": max_seqs, "history": None} if "slot" in bufs else {})
 
 
 _GREEDY = SamplingTensors(temperature=torch.zeros(0), top_p=torch.zeros(0), top_k=torch.zeros(0, dtype=torch.int64),
@@ -189,6 +191,32 @@ def placeholder_drafted(ts: list[torch.Tensor], B: int) -> None:
         ints[:, o : o + G] = j[:G]
         ints[:, o + G : o + 2 * G] = j[1:]
         ints[:, o + 2 * G :] = (1 << (j + 1)) - 1
+
+
+def drafted_bounds(B: int, vocab: int, tree: bool, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, C]`` lower and upper bounds of each column of a proposal's
+    integers (``drafted_buffers``): token ids, looked up, a tree's parents'
+    rows (0..B-1), depths (1..G) and masks (any bits)."""
+    G, big = B - 1, torch.iinfo(torch.int64).max
+    lo, hi = [0] * B + [0], [vocab - 1] * B + [1]
+    if tree:
+        lo, hi = lo + [0] * G + [1] * G + [-big] * (G + 1), hi + [G] * G + [G] * G + [big] * (G + 1)
+    return (torch.tensor([lo], dtype=torch.int64, device=dev), torch.tensor([hi], dtype=torch.int64, device=dev))
+
+
+def bound_drafted(ts: list[torch.Tensor], bounds: tuple[torch.Tensor, torch.Tensor], vocab: int) -> None:
+    """In place: every index a received proposal carries within its range
+    (``drafted_bounds``; sparse draft ids, and finite draft probabilities).
+    A receive ended by an abort (the drafter lost mid-step) leaves whatever
+    bytes the channel held; rank 0 drops that step's results, but its
+    kernels run on them first, and an index out of range there is a device
+    assert, which ends rank 0's CUDA context (H100: a gather out of bounds
+    after a drafter was killed). A real proposal is unchanged. One kernel
+    a step, three for sampled batches."""
+    ts[0].clamp_(*bounds)
+    if len(ts) == 3:
+        ts[1].clamp_(0, vocab - 1)
+        ts[2].nan_to_num_(nan=0.0, posinf=1.0, neginf=0.0)
 
 
 def unpack_drafted(ts: list[torch.Tensor], B: int) -> Drafted:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from specray.actors.drafter import DrafterWorker
 from specray.actors.drafter_restart import LocalDrafterRestart, RemoteDrafterRestart
 from specray.actors.models.layers import TPContext
-from specray.actors.ipc_channel import pair_ipc
+from specray.actors.ipc_channel import IpcChannel, pair_ipc
 from specray.actors.pair_channel import PairChannel
 from specray.actors.target import TargetWorker, kv_capacity, resolve_device
 from specray.actors.transport import (
@@ -156,6 +156,8 @@ class RemoteDrafter:
     def __init__(self, channel, device):
         self.channel, self.device = channel, device
         self.tree = None  # the drafter's process loads its own universe
+        # On rank 0's GPU, paired through the CUDA IPC ring (else NCCL, or gloo on CPUs).
+        self.on_rank0_gpu = isinstance(getattr(channel, "data", None), IpcChannel)
         self._pending: dict[int, StepWord] = {}  # by lane: the last step replayed there, results not yet taken
 
     @property

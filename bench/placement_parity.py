@@ -28,7 +28,7 @@ ENGINES = {
     "inprocess_again": {},
     "ray_colocated": dict(backend="ray", drafter_placement="colocated"),
     "ray_separate": dict(backend="ray", drafter_placement="separate", remote_step_graphs=True),
-    "ray_separate_same_gpu": dict(backend="ray", drafter_placement="separate_same_gpu", remote_step_graphs=True),
+    "ray_separate_same_gpu": dict(backend="ray", drafter_placement="separate_same_gpu"),
 }
 
 

@@ -173,9 +173,13 @@ class AsyncSteps:
         for w in workers:
             if not getattr(w, "runs_step_graphs", False):
                 return getattr(w, "step_graphs_unsupported", None) or "needs step graphs on every worker"
-        if self.device.type == "cuda" and self.drafter_apart() and not self.config.remote_step_graphs:
-            return "the drafter is in another process, whose half of the step graphs gives the greedy but " \
-                   "not yet the seeded samples of the in-process engine on a GPU (remote_step_graphs=True runs them)"
+        if self.device.type == "cuda" and self.drafter_apart():
+            remote = self.config.remote_step_graphs
+            if remote is False:
+                return "turned off for a drafter in another process (remote_step_graphs=False)"
+            if remote is None and not getattr(self.drafter, "on_rank0_gpu", False):
+                return "the drafter is on another GPU, where its half of the step graphs has not run yet " \
+                       "(remote_step_graphs=True runs it)"
         return None
 
     def drafter_apart(self) -> bool:

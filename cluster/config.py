@@ -103,11 +103,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Step graphs whose drafter half a drafter in another process replays
     # (placements "separate", "separate_same_gpu", a shared drafter), on a
-    # GPU: off while their seeded samples differ from the in-process
-    # engine's (greedy passes, docs/architecture.md); such an engine runs
-    # synchronous steps and says so. True runs them (GPU tests, the
-    # multi-GPU runs). CPUs always do.
-    remote_step_graphs: bool = False
+    # GPU. None: on where the GPU tests run them (a drafter on rank 0's GPU,
+    # through the CUDA IPC ring: the in-process engine's greedy tokens and
+    # seeded samples), off for a drafter on another GPU (NCCL: not yet run
+    # on GPUs), whose engine runs synchronous steps and says so. True: on
+    # (the multi-GPU runs); False: off. CPUs always run them.
+    remote_step_graphs: bool | None = None
     # Micro-batch overlap of asynchronous steps: a batch of at least
     # overlap_min_batch requests runs as two lanes, each a chain of step
     # graphs on a CUDA stream of its own, so the GPU runs one lane's drafter

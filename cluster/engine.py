@@ -376,8 +376,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         out["async_scheduling"] = feature(self.async_capable([]), self._async_unsupported())
         if out["async_scheduling"]["on"] and cuda and self.drafter_apart():
             out["async_scheduling"]["note"] = "the drafter replays its half of the step graphs in its own " \
-                "process (remote_step_graphs=True): on a GPU its greedy tokens are the in-process engine's, " \
-                "its seeded samples not yet (docs/architecture.md)"
+                "process: on one GPU (the CUDA IPC ring) its greedy tokens and seeded samples are the " \
+                "in-process engine's; between GPUs (NCCL) not yet run (docs/architecture.md)"
         if self.drafter is not None:
             reason = "turned off (draft_tree=False)" if self.config.draft_tree is False else \
                 tree_unsupported(self.block_size, self.target_spec.layer_window)

@@ -215,7 +215,7 @@ def sweep_points(args, target: str, drafter: str, vocab: int, have: int | None, 
             llms = [LLM(target, d, device=args.device, backend="ray", tensor_parallel_size=tp,
                         drafter_placement=placement, max_model_len=args.max_model_len,
                         max_num_seqs=max(args.concurrency), cuda_graphs=args.cuda_graphs,
-                        remote_step_graphs=args.remote_step_graphs) for _ in range(replicas)]
+                        remote_step_graphs=args.remote_step_graphs or None) for _ in range(replicas)]
             try:
                 # An untimed pass at every concurrency (allocator, first steps):
                 # graphs get captured and Triton compiles the kernel variants
@@ -274,8 +274,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (TP 1)")
     p.add_argument("--remote-step-graphs", action="store_true",
-                   help="with --cuda-graphs, a separate drafter replays its half of async step graphs (opt-in on "
-                        "GPUs: EngineConfig.remote_step_graphs)")
+                   help="with --cuda-graphs, a separate drafter on another GPU replays its half of async step "
+                        "graphs (not yet run between GPUs, so opt-in there: EngineConfig.remote_step_graphs)")
     p.add_argument("--out", default="sweep.json")
     args = p.parse_args(argv)
     if not args.shape and not (args.target and args.drafter):

@@ -409,6 +409,27 @@ def test_prompts_admitted_together_are_prefilled_one_a_step(models, monkeypatch)
     assert sorted(o.request_id for o in got if o.delta_token_ids) == ["b", "c", "d"]
 
 
+def test_a_capture_warm_up_on_the_last_chains_rows_writes_no_cache(models):
+    """A step kind first used at a chain's start is captured (every batch
+    size) before its inputs arrive, with the last chain's rows in its
+    buffers (shared by the kinds): the capture's warm-up calls, which run
+    on a GPU (called directly here), write neither cache outside the
+    padding block 0. Run on those rows, they wrote the target's and the
+    drafter's K/V where the last chain's rows point, blocks the next
+    requests' prompts may hold (H100: a sampled generate after a greedy
+    one gave other samples than a fresh engine)."""
+    eng = engine(models, True, True)
+    run(eng, prompts(), [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 7)
+    assert eng.has_step_graphs("greedy") and not eng.has_step_graphs("sampled")
+    graphs = eng.step_graphs("sampled")
+    assert int(graphs.buffers["start"].max()) > 0  # the greedy chain's rows
+    drafter = getattr(eng.drafter, "inner", eng.drafter)
+    target_kv, draft_kv = eng.target.kv_cache.clone(), drafter.kv_cache.clone()
+    graphs.warm_up(graphs.sizes[-1])
+    assert torch.equal(eng.target.kv_cache[:, :, 1:], target_kv[:, :, 1:])
+    assert torch.equal(drafter.kv_cache[:, :, 1:], draft_kv[:, :, 1:])
+
+
 def closed_loop(eng, prompts, params, concurrency: int, check=None) -> tuple[dict, int]:
     """``concurrency`` requests in flight, the next admitted as one finishes:
     the final outputs and the synchronous steps the engine took.
@@ -568,12 +589,13 @@ def test_features_say_whether_requests_join_running_chains(models):
     assert engine(models, True, False).features()["admit_into_chain"] == {"on": False, "reason": "needs async_scheduling"}
 
 
-def test_gpu_step_graphs_with_a_drafter_in_another_process_are_opt_in():
+def test_gpu_step_graphs_with_a_drafter_on_another_gpu_are_opt_in():
     """On a GPU a drafter in another process replays its half of the step
-    graphs only with remote_step_graphs=True (their seeded samples differ
-    from the in-process engine's there): without it the engine runs
-    synchronous steps and says why; a
-    drafter in rank 0's process, and every CPU engine, are unaffected."""
+    graphs by default where the GPU tests run it (on rank 0's GPU, through
+    the CUDA IPC ring); on another GPU (NCCL, not yet run on GPUs) only
+    with remote_step_graphs=True: without it the engine runs synchronous
+    steps and says why. False turns them off for both; a drafter in rank
+    0's process, and every CPU engine, are unaffected."""
     from types import SimpleNamespace
 
     from specray.async_decode import AsyncSteps
@@ -581,6 +603,9 @@ def test_gpu_step_graphs_with_a_drafter_in_another_process_are_opt_in():
 
     class Remote:
         runs_step_graphs = True
+
+    class Beside(Remote):
+        on_rank0_gpu = True
 
     class Local(Remote):
         local_model = True
@@ -593,5 +618,7 @@ def test_gpu_step_graphs_with_a_drafter_in_another_process_are_opt_in():
 
     assert "remote_step_graphs=True" in unsupported(Remote(), "cuda")
     assert unsupported(Remote(), "cuda", remote_step_graphs=True) is None
+    assert unsupported(Beside(), "cuda") is None
+    assert "remote_step_graphs=False" in unsupported(Beside(), "cuda", remote_step_graphs=False)
     assert unsupported(Local(), "cuda") is None and unsupported(None, "cuda") is None
     assert unsupported(Remote(), "cpu") is None

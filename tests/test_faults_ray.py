@@ -300,14 +300,17 @@ def test_gpu_drafter_beside_rank_0_killed_mid_generate(tmp_path):
     tensors through the CUDA IPC ring) and SIGKILLed while rank 0's step
     graphs wait on it: rank 0's wait is aborted past ``drafter_timeout_s``,
     generate finishes with the run's tokens, and a new drafter pairs (a new
-    ring) and drafts again."""
+    ring) and drafts again. The policy's kinds are forced in turns: left to
+    measure, it runs a random drafter's requests autoregressively but for
+    its probes, which a short generate may miss (H100: in two runs of five
+    the requests after the restart drafted nothing)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     root = make_models(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     llm = LLM(root / "t", root / "d", backend="ray", device="cuda", dtype="float32",
-              drafter_placement="separate_same_gpu", cuda_graphs=True, async_scheduling=True, remote_step_graphs=True,
-              num_kv_blocks=512, drafter_timeout_s=3.0)
+              drafter_placement="separate_same_gpu", cuda_graphs=True, async_scheduling=True,
+              num_kv_blocks=512, drafter_timeout_s=3.0, extra={"policy_turns": [15, 7, 3, 0]})
     try:
         check_drafter_killed_mid_generate(llm, reference(llm, ["long", "short"]))
     finally:

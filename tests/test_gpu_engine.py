@@ -324,25 +324,31 @@ def test_gpu_ray_colocated_runs_the_step_graphs(ckpt):
         llm.shutdown()
 
 
-def separate_same_gpu(ckpt, params):
+def separate_same_gpu(ckpt, params, before=None):
     """Tokens and acceptance lengths of ``params`` from the in-process engine
     and from the Ray backend with the drafter its own actor on rank 0's GPU
     (``separate_same_gpu``: NCCL cannot pair two ranks on one device, a
     CUDA IPC ring does), async step graphs on both ends, with its stats.
     Both engines take the policy's kinds in the same turns (trees, shorter
-    chains, autoregressive steps)."""
+    chains, autoregressive steps). ``before``: what each engine generates
+    first (whose chain's rows its buffers still hold when the next starts)."""
     pytest.importorskip("ray")
     from specray.placement import ensure_ray
 
     ensure_ray()
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512,
               extra={"policy_turns": [15, 7, 3, 0]})
-    want = LLM(ckpt / "t", ckpt / "d", **kw).generate(PROMPTS, params)
-    llm = LLM(ckpt / "t", ckpt / "d", backend="ray", drafter_placement="separate_same_gpu", remote_step_graphs=True,
-              **kw)
+    ref = LLM(ckpt / "t", ckpt / "d", **kw)
+    if before is not None:
+        ref.generate(PROMPTS, before)
+    want = ref.generate(PROMPTS, params)
+    ref.shutdown()
+    llm = LLM(ckpt / "t", ckpt / "d", backend="ray", drafter_placement="separate_same_gpu", **kw)
     try:
         features = llm.stats()["features"]
         assert features["async_scheduling"]["on"] and features["cuda_graphs"]["on"], features
+        if before is not None:
+            llm.generate(PROMPTS, before)
         got = llm.generate(PROMPTS, params)
         return want, got, llm.stats()
     finally:
@@ -360,12 +366,36 @@ def test_gpu_ray_separate_drafter_on_one_gpu_runs_the_step_graphs(ckpt):
     assert {"0", "3", "7", "15"} <= set(stats["speculation"]["steps_by_drafts"]), stats["speculation"]
 
 
-@pytest.mark.xfail(reason="H100, 2026-12-06, with greedy requests first on the same engines: two or three of the "
-                          "five requests' seeded samples differed from the in-process engine's (greedy tokens and "
-                          "acceptance identical; on the CPU, and colocated on the GPU, samples identical); this "
-                          "form (fresh engines) has not run on a GPU: docs/architecture.md", strict=False)
 def test_gpu_ray_separate_drafter_on_one_gpu_gives_the_seeded_samples(ckpt):
+    """Sampled after greedy on both engines: the drafter's proposals, hence
+    the seeded accept / reject draws, follow its context (greedy tokens are
+    the target's whatever it drafts)."""
     params = [SamplingParams(max_tokens=32, temperature=1.0, seed=11 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    want, got, _ = separate_same_gpu(ckpt, params)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want, got, _ = separate_same_gpu(ckpt, params, before=greedy)
+    assert drafter_accepted([o.metrics.acceptance_lengths for o in want])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.metrics.acceptance_lengths for o in got] == [o.metrics.acceptance_lengths for o in want]
+
+
+def test_gpu_a_step_kind_first_used_at_a_chain_start_leaves_the_new_prompts_alone(ckpt):
+    """A step graph kind first used at a chain's start is captured (every
+    batch size) before its inputs arrive, while its buffers hold the last
+    chain's rows: a second generate gives a fresh engine's tokens, sampled
+    after greedy (the drafter's context of the new prompts) and greedy
+    after sampled (the target's). Whole blocks every step: the policy's
+    turns would go on from the first generate's, and the seeded samples
+    follow the kinds of step that draw them."""
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512, adaptive_speculation=False)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    samples = [SamplingParams(max_tokens=32, temperature=1.0, seed=11 + i, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    runs = {}
+    for first, second in ((greedy, samples), (samples, greedy)):
+        llm = LLM(ckpt / "t", ckpt / "d", **kw)
+        runs[first is greedy] = [[o.token_ids for o in llm.generate(PROMPTS, p)] for p in (first, second)]
+        llm.shutdown()
+    greedy_first, samples_first = runs[True], runs[False]
+    assert greedy_first[1] == samples_first[0]
+    assert samples_first[1] == greedy_first[0]

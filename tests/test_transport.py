@@ -145,6 +145,48 @@ def test_a_warmup_stand_in_for_a_draft_tree_keeps_the_acceptance_in_bounds():
     assert acc.path_rows.tolist() == [list(range(1, B))] * n
 
 
+def test_a_proposal_garbled_by_an_aborted_receive_keeps_the_acceptance_in_bounds():
+    """A receive ended by an abort (the drafter lost mid-step) leaves the
+    channel's stale bytes in rank 0's buffers, and its step's kernels run on
+    them before the host drops the results: ``bound_drafted`` puts every
+    index in range (a device assert would end rank 0's CUDA context) and
+    leaves a real proposal as it was."""
+    from specray.actors.step_parts import (
+        bound_drafted,
+        drafted_bounds,
+        drafted_buffers,
+        placeholder_drafted,
+        unpack_drafted,
+    )
+    from specray.draft_tree import accept_greedy
+
+    n, B, V = 3, 8, 50
+    real = drafted_buffers(n, B, tree=True, sampled=False, top_k=4, dev="cpu")
+    for t in real:
+        t.zero_()
+    placeholder_drafted(real, B)
+    real[0][:, :B] = torch.randint(0, V, (n, B))
+    want = [t.clone() for t in real]
+    bound_drafted(real, drafted_bounds(B, V, True, "cpu"), V)
+    assert all(torch.equal(a, b) for a, b in zip(real, want))
+
+    g = torch.Generator().manual_seed(0)
+    garbled = drafted_buffers(n, B, tree=True, sampled=False, top_k=4, dev="cpu")
+    garbled[0].copy_(torch.randint(-2**40, 2**40, garbled[0].shape, generator=g))
+    bound_drafted(garbled, drafted_bounds(B, V, True, "cpu"), V)
+    drafted = unpack_drafted(garbled, B)
+    assert int(drafted.input_ids.min()) >= 0 and int(drafted.input_ids.max()) < V
+    accept_greedy(torch.zeros(n, B, dtype=torch.int64), *_tree_args(drafted, n, B))  # in bounds: no IndexError
+
+    sampled = drafted_buffers(n, B, tree=False, sampled=True, top_k=4, dev="cpu")
+    sampled[0].copy_(torch.randint(-2**40, 2**40, sampled[0].shape, generator=g))
+    sampled[1].copy_(torch.randint(-2**40, 2**40, sampled[1].shape, generator=g))
+    sampled[2].copy_(torch.tensor([float("nan"), float("inf"), -3.0, 7.0]).repeat(n, B - 1, 1))
+    bound_drafted(sampled, drafted_bounds(B, V, False, "cpu"), V)
+    assert int(sampled[1].min()) >= 0 and int(sampled[1].max()) < V
+    assert bool(torch.isfinite(sampled[2]).all())
+
+
 def _tree_args(drafted, n: int, B: int) -> tuple:
     return drafted.drafts, drafted.shape, torch.full((n,), B - 1)
 
@@ -170,3 +212,28 @@ def test_a_capture_warm_up_gives_back_the_buffers_and_the_state_it_keeps():
     g.warm_up(4)
     assert seen == [True, True] and not graphs.warming()
     assert buf.eq(0).all() and state.eq(0).all()
+
+
+def test_a_capture_warm_up_runs_on_padding_rows_only():
+    """A capture may come before its first inputs (``capture_all`` when a
+    step kind is first used), while the buffers hold the last chain's rows:
+    the warm-up calls execute, so what they write must go to the padding
+    block, not to blocks the new requests hold (H100: a chain's first
+    sampled step's warm-ups wrote the drafter's context over new prompts)."""
+    from specray.actors import graphs
+
+    slots = torch.tensor([5, 9, 0, 0])  # the last chain's rows: blocks handed on since
+    cache = torch.zeros(16, dtype=torch.int64)
+    history = torch.arange(5)  # padded with None: a padding row's row is the last
+
+    def step(n):
+        cache.index_fill_(0, slots[:n], 1)
+        history[4] = 7
+        return ()
+
+    g = graphs.DecodeGraphs(step, {"slots": slots, "history": history}, {"slots": 1, "history": 1},
+                            {"slots": 0, "history": None}, 4, torch.device("cpu"))
+    g.warm_up(4)
+    assert cache[1:].eq(0).all(), cache
+    assert slots.tolist() == [5, 9, 0, 0]
+    assert history.tolist() == [0, 1, 2, 3, 7]  # neither filled nor given back
