@@ -61,6 +61,15 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def chunk_padding(bufs: dict[str, torch.Tensor]) -> dict:
+    """The padding of a graph of one sequence's chunk (``_static_forward``
+    with ``max_seqs=1``), which its capture's warm-ups run on: a chunk of
+    its own rows, causal over them (its length), at position 0 for the
+    rotary tables (a graph may hold more rows than the model has
+    positions), its K/V into the reserved slot 0."""
+    return dict.fromkeys(bufs, 0) | {"seq_lens": bufs["positions"].shape[0]}
+
+
 class TargetWorker:
     # Tests turn on several prompts prefilled one graph replay each on the
     # CPU's padded path, where it only adds compute otherwise.
@@ -169,7 +178,7 @@ class TargetWorker:
             if rows >= 2 * max_tokens:  # the previous length already holds any chunk
                 break
             bufs, per_seq, forward = self._static_forward(rows, 1, block_size, want_hidden, one_logits_row=True)
-            self.prefill_graphs[rows] = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, self.device)
+            self.prefill_graphs[rows] = DecodeGraphs(forward, bufs, per_seq, chunk_padding(bufs), 1, self.device)
 
     def _prefill_rows(self, batch: TargetBatch) -> int | None:
         """The padded length a captured prefill runs ``batch`` at, or None:

@@ -36,6 +36,7 @@ from common import add_target_args, ar_decode_s, copy_bandwidth, resolve_target,
 
 from specray import LLM
 from specray.actors.graphs import DecodeGraphs
+from specray.actors.target import chunk_padding
 from specray.kernels import ops
 
 
@@ -56,7 +57,7 @@ def forward_graph(worker, rows: int, context: int, kv_block: int):
     """A batch-1 forward of ``rows`` query rows over ``context`` cached
     tokens, captured (on the CPU: run eagerly): ``(run, graph or None)``."""
     bufs, per_seq, forward = worker._static_forward(rows, 1, kv_block, want_hidden=False, one_logits_row=False)
-    graphs = DecodeGraphs(forward, bufs, per_seq, dict.fromkeys(bufs, 0), 1, worker.device)
+    graphs = DecodeGraphs(forward, bufs, per_seq, chunk_padding(bufs), 1, worker.device)
     blocks = -(-context // kv_block)
     positions = torch.arange(context - rows, context, dtype=torch.int64)
     # Blocks 1..: the engine holds no request, its cache is the bench's.

@@ -40,3 +40,23 @@ def test_padded_prefill_equals_eager(ckpt, drafter):
     assert not drafter or max(accepted) > 1
     # 3 -> 16; 21 -> 32; 50 -> 24+24+2 -> 32, 32, 16; 70 -> 24+24+22 -> 32 x3
     assert used == [16, 32, 32, 32, 16, 32, 32, 32]
+
+
+def test_a_prefill_graphs_warm_up_writes_only_the_padding_block(ckpt):
+    """A capture's warm-ups run on the graph's padding (graphs.warm_up,
+    target.chunk_padding): a chunk of its own rows into the reserved slot
+    0, which the forward takes at every captured length (the longest hold
+    more rows than the model has positions), after a prompt's real
+    prefill, leaving its K/V and the graph's buffers as they were."""
+    import torch
+
+    llm = LLM(ckpt / "t", None, max_model_len=160, cuda_graphs=True)
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    worker = llm.engine.target
+    kv = worker.kv_cache.clone()
+    assert kv[:, :, 1:].abs().sum() > 0
+    for graphs in worker.prefill_graphs.values():
+        before = {k: v.clone() for k, v in graphs.buffers.items()}
+        graphs.warm_up(1)
+        assert all(torch.equal(graphs.buffers[k], v) for k, v in before.items())  # given back
+    assert torch.equal(worker.kv_cache[:, :, 1:], kv[:, :, 1:])
