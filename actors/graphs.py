@@ -65,6 +65,26 @@ def peer_recv(channel, out: list[torch.Tensor], placeholder: Callable | None = N
         channel.recv_raw(out)
 
 
+_CAPTURE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device, family) -> torch.cuda.Stream:
+    """The stream a family of graphs is warmed up and captured on. cuBLAS
+    keeps a workspace per stream and a graph holds the one of the stream it
+    was captured on (PyTorch captures every graph on one stream unless told
+    otherwise): graphs that may replay at the same time (two lanes' steps)
+    must come from different streams, or their GEMMs share a workspace; and
+    recent PyTorch frees a stream's workspace when a graph captured on it
+    is destroyed (pytorch/pytorch issue 193402), so graphs that are dropped
+    (rank 0's step graphs, with a lost drafter) must not share a stream
+    with graphs that stay (the target's)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, family)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[key]
+
+
 def capture_sizes(max_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s < max_seqs]
     return sizes + [max_seqs]
@@ -96,8 +116,10 @@ class DecodeGraphs:
         max_seqs: int,
         device: torch.device,
         keep: tuple[torch.Tensor, ...] = (),
+        family: object = "static",
     ):
         self.fn = fn
+        self.family = family  # capture_stream's: which graphs may share a stream
         self.buffers = buffers
         self.keep = keep
         self.rows = rows_per_seq
@@ -185,14 +207,14 @@ class DecodeGraphs:
             t.copy_(was)
 
     def _capture(self, size: int) -> None:
-        # Warm up on a side stream, then capture; all sizes share one memory pool.
-        stream = torch.cuda.Stream(self.device)
+        # Warm up on the family's stream, then capture there; all sizes share one memory pool.
+        stream = capture_stream(self.device, self.family)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.warm_up(size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             self.outputs[size] = self.fn(size)
         if self.pool is None:
             self.pool = graph.pool()

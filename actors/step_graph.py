@@ -57,7 +57,8 @@ from specray.sampling import verify
 
 def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greedy",
                       shared: dict[str, torch.Tensor] | None = None, tree: TreeUniverse | None = None,
-                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None) -> DecodeGraphs:
+                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None,
+                      family: object = "step") -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (rank 0's
     TargetWorker) and ``drafter`` (a DrafterWorker in this process, or None:
     autoregressive, or the drafter is ``remote``). Inputs: ``start`` and
@@ -95,7 +96,9 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
     (spec_policy.py): one row a request, no proposal, and the row's context
     stored (a remote drafter is sent the row, as after any step), so the
     next speculative step finds it. ``block_size`` (no tree): a shorter
-    chain than ``cfg``'s, the drafter's block of that many rows."""
+    chain than ``cfg``'s, the drafter's block of that many rows.
+    ``family``: the capture stream's (``graphs.capture_stream``): each
+    lane's graphs their own, apart from the target's."""
     dev = target.device
     local = drafter is not None
     speculative = local or remote is not None
@@ -193,4 +196,5 @@ def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greed
                 peer_send(remote, [torch.cat([out, kept.long()], 1), hidden_tapped])
         return (out,)
 
-    return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, sampling, cfg.max_seqs), cfg.max_seqs, dev)
+    return DecodeGraphs(step, bufs, dict.fromkeys(bufs, 1), padding(bufs, sampling, cfg.max_seqs), cfg.max_seqs, dev,
+                        family=family)

@@ -229,7 +229,7 @@ class AsyncSteps:
                 target, local, settings, sampling=sampling, shared=shared,
                 tree=None if block else self.tree,
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
-                speculate=spec, block_size=block,
+                speculate=spec, block_size=block, family=("step", lane),
             )
             if self.config.capture_all_batch_sizes and not self._peers():
                 self._step_graphs[key].capture_all()

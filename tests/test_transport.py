@@ -237,3 +237,24 @@ def test_a_capture_warm_up_runs_on_padding_rows_only():
     assert cache[1:].eq(0).all(), cache
     assert slots.tolist() == [5, 9, 0, 0]
     assert history.tolist() == [0, 1, 2, 3, 7]  # neither filled nor given back
+
+
+@pytest.mark.gpu
+def test_gpu_graph_families_capture_on_streams_of_their_own():
+    """Each lane's step graphs and the target's are captured on streams of
+    their own (cuBLAS keeps a workspace per stream, which a graph holds):
+    one stream a family, reused by its later captures."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specray.actors.graphs import DecodeGraphs, capture_stream
+
+    dev = torch.device("cuda", 0)
+    streams = {f: capture_stream(dev, f) for f in ("static", ("step", 0), ("step", 1))}
+    assert len({s.cuda_stream for s in streams.values()}) == 3
+    assert capture_stream(dev, ("step", 1)).cuda_stream == streams[("step", 1)].cuda_stream
+    x = torch.zeros(4, device=dev)
+    w = torch.randn(64, 64, device=dev)
+    g = DecodeGraphs(lambda n: ((x[:n, None] + w[:n]) @ w,), {"x": x}, {"x": 1}, {"x": 0}, 4, dev, family=("step", 1))
+    g.run(4, {"x": torch.ones(4)})
+    torch.cuda.synchronize()
+    assert torch.allclose(g.outputs[4][0], (1 + w[:4]) @ w)
