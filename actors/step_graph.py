@@ -55,10 +55,9 @@ from specray.plan import AttentionMetadata
 from specray.sampling import verify
 
 
-def build_step_graphs(target, drafter, cfg: StepSettings, sampling: str = "greedy",
+def build_step_graphs(target, drafter, cfg: StepSettings, *, family: object, sampling: str = "greedy",
                       shared: dict[str, torch.Tensor] | None = None, tree: TreeUniverse | None = None,
-                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None,
-                      family: object = "step") -> DecodeGraphs:
+                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (rank 0's
     TargetWorker) and ``drafter`` (a DrafterWorker in this process, or None:
     autoregressive, or the drafter is ``remote``). Inputs: ``start`` and

@@ -157,14 +157,30 @@ def propose(drafter, cfg: StepSettings, bufs: dict, blk, st: SamplingTensors, n:
 
 
 # ------------------------------------------------ what the halves exchange
+def drafted_columns(B: int, tree: bool) -> dict[str, slice]:
+    """Where each field of a proposal lies among its int64 columns
+    (``pack_drafted``): the block's token ids, looked up, and a tree's
+    parents' rows, depths and attention masks."""
+    G = B - 1
+    cols = {"input_ids": slice(0, B), "looked_up": slice(B, B + 1)}
+    if tree:
+        o = B + 1
+        cols |= {"parent": slice(o, o + G), "depth": slice(o + G, o + 2 * G), "masks": slice(o + 2 * G, o + 3 * G + 1)}
+    return cols
+
+
+def _is_tree(ints: torch.Tensor, B: int) -> bool:
+    return ints.shape[1] > B + 1
+
+
 def pack_drafted(d: Drafted) -> list[torch.Tensor]:
-    """``[n, B + 1 (+ 3B - 1 for a tree)]`` int64: input ids, looked up,
-    (a tree's parents, depths, masks); and a sampled batch's sparse draft
-    distribution."""
-    cols = [d.input_ids, d.looked_up.long()[:, None]]
+    """The proposal's integers in ``drafted_columns``' order, then a
+    sampled batch's sparse draft distribution (ids, probabilities)."""
+    fields = {"input_ids": d.input_ids, "looked_up": d.looked_up.long()[:, None]}
     if d.shape is not None:
-        cols += [d.shape.parent, d.shape.depth, d.shape.masks.long()]
-    out = [torch.cat(cols, 1)]
+        fields |= {"parent": d.shape.parent, "depth": d.shape.depth, "masks": d.shape.masks.long()}
+    B = d.input_ids.shape[1]
+    out = [torch.cat([fields[name] for name in drafted_columns(B, d.shape is not None)], 1)]
     if d.draft_q is not None:
         out += [d.draft_idx, d.draft_q]
     return out
@@ -172,11 +188,11 @@ def pack_drafted(d: Drafted) -> list[torch.Tensor]:
 
 def drafted_buffers(n: int, B: int, tree: bool, sampled: bool, top_k: int, dev) -> list[torch.Tensor]:
     """Empty tensors of ``pack_drafted``'s shapes."""
-    G = B - 1
-    out = [torch.empty(n, B + 1 + (3 * G + 1 if tree else 0), dtype=torch.int64, device=dev)]
+    width = list(drafted_columns(B, tree).values())[-1].stop
+    out = [torch.empty(n, width, dtype=torch.int64, device=dev)]
     if sampled:
-        out += [torch.empty(n, G, top_k, dtype=torch.int64, device=dev),
-                torch.empty(n, G, top_k, dtype=torch.float32, device=dev)]
+        out += [torch.empty(n, B - 1, top_k, dtype=torch.int64, device=dev),
+                torch.empty(n, B - 1, top_k, dtype=torch.float32, device=dev)]
     return out
 
 
@@ -185,22 +201,25 @@ def placeholder_drafted(ts: list[torch.Tensor], B: int) -> None:
     (graphs.peer_recv): ``drafted_buffers``' zeros, a tree's columns a
     chain (node j's parent row j, depth j + 1, row i attending rows 0..i);
     all-zero depths sent the tree acceptance's scatter to row -1."""
-    ints, G = ts[0], B - 1
-    if ints.shape[1] > B + 1:
-        o, j = B + 1, torch.arange(G + 1, dtype=torch.int64, device=ints.device)
-        ints[:, o : o + G] = j[:G]
-        ints[:, o + G : o + 2 * G] = j[1:]
-        ints[:, o + 2 * G :] = (1 << (j + 1)) - 1
+    ints = ts[0]
+    if _is_tree(ints, B):
+        cols, j = drafted_columns(B, True), torch.arange(B, dtype=torch.int64, device=ints.device)
+        ints[:, cols["parent"]] = j[:-1]
+        ints[:, cols["depth"]] = j[1:]
+        ints[:, cols["masks"]] = (1 << (j + 1)) - 1
 
 
 def drafted_bounds(B: int, vocab: int, tree: bool, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[1, C]`` lower and upper bounds of each column of a proposal's
-    integers (``drafted_buffers``): token ids, looked up, a tree's parents'
-    rows (0..B-1), depths (1..G) and masks (any bits)."""
+    """``[1, C]`` lower and upper bounds of each of a proposal's integer
+    columns (``drafted_columns``): token ids, looked up (0 or 1), a tree's
+    parents' rows (0..G), depths (1..G) and masks (any bits)."""
     G, big = B - 1, torch.iinfo(torch.int64).max
-    lo, hi = [0] * B + [0], [vocab - 1] * B + [1]
-    if tree:
-        lo, hi = lo + [0] * G + [1] * G + [-big] * (G + 1), hi + [G] * G + [G] * G + [big] * (G + 1)
+    ranges = {"input_ids": (0, vocab - 1), "looked_up": (0, 1), "parent": (0, G), "depth": (1, G), "masks": (-big, big)}
+    lo, hi = [], []
+    for name, cols in drafted_columns(B, tree).items():
+        width = cols.stop - cols.start
+        lo += [ranges[name][0]] * width
+        hi += [ranges[name][1]] * width
     return (torch.tensor([lo], dtype=torch.int64, device=dev), torch.tensor([hi], dtype=torch.int64, device=dev))
 
 
@@ -220,13 +239,13 @@ def bound_drafted(ts: list[torch.Tensor], bounds: tuple[torch.Tensor, torch.Tens
 
 
 def unpack_drafted(ts: list[torch.Tensor], B: int) -> Drafted:
-    ints, G = ts[0], B - 1
+    ints = ts[0]
+    cols = drafted_columns(B, _is_tree(ints, B))
     shape = None
-    if ints.shape[1] > B + 1:
-        o = B + 1
-        shape = DraftTree(ints[:, o : o + G], ints[:, o + G : o + 2 * G], ints[:, o + 2 * G :].int())
+    if "parent" in cols:
+        shape = DraftTree(ints[:, cols["parent"]], ints[:, cols["depth"]], ints[:, cols["masks"]].int())
     idx, q = (ts[1], ts[2]) if len(ts) == 3 else (None, None)
-    return Drafted(ints[:, :B], ints[:, B].bool(), shape, idx, q)
+    return Drafted(ints[:, cols["input_ids"]], ints[:, cols["looked_up"]][:, 0].bool(), shape, idx, q)
 
 
 def kept_rows(num_accepted: torch.Tensor, B: int, row_kept: torch.Tensor | None) -> torch.Tensor:

@@ -187,6 +187,34 @@ def test_a_proposal_garbled_by_an_aborted_receive_keeps_the_acceptance_in_bounds
     assert bool(torch.isfinite(sampled[2]).all())
 
 
+def test_a_proposal_crosses_the_channel_field_for_field():
+    """What the drafter packs (``pack_drafted``) rank 0 unpacks into the same
+    proposal from buffers of ``drafted_buffers``' shapes: a tree's and a
+    sampled chain's."""
+    from specray.actors.step_parts import Drafted, drafted_buffers, pack_drafted, unpack_drafted
+    from specray.draft_tree import DraftTree
+
+    n, B, K, V = 3, 6, 4, 50
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (n, B), generator=g)
+    looked_up = torch.tensor([True, False, True])
+    tree = DraftTree(torch.randint(0, B - 1, (n, B - 1), generator=g), torch.randint(1, B, (n, B - 1), generator=g),
+                     torch.randint(0, 2**B, (n, B), generator=g, dtype=torch.int32))
+    idx, q = torch.randint(0, V, (n, B - 1, K), generator=g), torch.rand(n, B - 1, K, generator=g)
+    for sent, is_tree, sampled in [(Drafted(ids, looked_up, tree), True, False),
+                                   (Drafted(ids, looked_up, None, idx, q), False, True)]:
+        got = drafted_buffers(n, B, is_tree, sampled, K, "cpu")
+        for buf, t in zip(got, pack_drafted(sent), strict=True):
+            buf.copy_(t)
+        back = unpack_drafted(got, B)
+        assert torch.equal(back.input_ids, ids) and torch.equal(back.looked_up, looked_up)
+        if is_tree:
+            for a, b in zip((back.shape.parent, back.shape.depth, back.shape.masks), (tree.parent, tree.depth, tree.masks)):
+                assert torch.equal(a, b) and a.dtype == b.dtype
+        else:
+            assert back.shape is None and torch.equal(back.draft_idx, idx) and torch.equal(back.draft_q, q)
+
+
 def _tree_args(drafted, n: int, B: int) -> tuple:
     return drafted.drafts, drafted.shape, torch.full((n,), B - 1)
 
