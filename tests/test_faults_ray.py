@@ -310,7 +310,7 @@ def test_gpu_drafter_beside_rank_0_killed_mid_generate(tmp_path):
     root = make_models(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     llm = LLM(root / "t", root / "d", backend="ray", device="cuda", dtype="float32",
               drafter_placement="separate_same_gpu", cuda_graphs=True, async_scheduling=True,
-              num_kv_blocks=512, drafter_timeout_s=3.0, extra={"policy_turns": [15, 7, 3, 0]})
+              num_kv_blocks=512, drafter_timeout_s=3.0, extra={"policy_turns": [7, 3, 0]})
     try:
         check_drafter_killed_mid_generate(llm, reference(llm, ["long", "short"]))
     finally:
