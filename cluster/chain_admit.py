@@ -42,6 +42,10 @@ def chain_from_prefill(core, plan, first_tokens: torch.Tensor) -> async_decode.I
     if len(sched.running) != len(requests) or sched.could_admit(len(requests) * B) or \
             not core.async_capable(requests):
         return None
+    if len(core.lane_split(requests)) > 1:
+        # Lanes start at the next step (``_start_lanes``): a chain launched
+        # here runs as one lane, which requests then join, and never splits.
+        return None
     for p in plan.prefill:
         if not p.samples_first_token or not _room_after_first_token(core, p.request):
             return None
