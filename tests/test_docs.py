@@ -15,7 +15,6 @@ they carry a results prefix (``h200_``, ``cpu_``, ...)."""
 from __future__ import annotations
 
 import glob
-import os
 import re
 from pathlib import Path
 

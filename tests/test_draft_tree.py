@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from factories import make_models, run_engine_to_end
 
 from specray import SamplingParams
@@ -48,7 +47,6 @@ def test_build_picks_the_best_scoring_closed_tree():
     universe, top, tokens, tree = random_tree()
     S, G = tokens.shape
     for s in range(S):
-        paths = []
         for j in range(G):
             p = tree.parent[s, j].item()
             assert p <= j  # parents come first (row p is node p - 1)
@@ -498,10 +496,7 @@ def test_offline_tree_replay_matches_serving(models, tmp_path):
     """bench/draft_tree.py replays chains and trees against the greedy
     continuation; for the universe a drafter ships, with and without a
     lookup branch, it must give what serving measures."""
-    import importlib.util
     import shutil
-    import sys
-    from pathlib import Path
 
     from specray import LLM
     from specray.draft_tree import lookup_nodes

@@ -5,7 +5,6 @@ turn), with the tokens one chain gives."""
 import pytest
 
 from test_async_decode import engine, prompts, run
-
 from specray.sampling import SamplingParams
 
 
