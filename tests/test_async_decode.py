@@ -15,9 +15,14 @@ from specray.sampling import SamplingParams
 MAX_MODEL_LEN = 96
 
 
+def pair(root):
+    """The random pair these engines run (``prompts()`` draws ids below its vocabulary of 320)."""
+    return make_models(root, seed=4, drafter_seed=14, block_size=6, vocab_size=320)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_models(tmp_path_factory.mktemp("async"), seed=4, drafter_seed=14, block_size=6, vocab_size=320)
+    return pair(tmp_path_factory.mktemp("async"))
 
 
 def engine(root, drafter: bool, async_: bool, **kw):

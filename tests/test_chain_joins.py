@@ -6,15 +6,13 @@ joins, and a finished row may ride as padding."""
 import pytest
 import torch
 
-from test_async_decode import MAX_MODEL_LEN, engine, prompts, run
+from test_async_decode import MAX_MODEL_LEN, engine, pair, prompts, run
 from specray.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from factories import make_models
-
-    return make_models(tmp_path_factory.mktemp("joins"), seed=4, drafter_seed=14, block_size=6, vocab_size=320)
+    return pair(tmp_path_factory.mktemp("joins"))
 
 
 def closed_loop(eng, prompts, params, concurrency: int, check=None) -> tuple[dict, int]:

@@ -4,15 +4,13 @@ turn), with the tokens one chain gives."""
 
 import pytest
 
-from test_async_decode import engine, prompts, run
+from test_async_decode import engine, pair, prompts, run
 from specray.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from factories import make_models
-
-    return make_models(tmp_path_factory.mktemp("lanes"), seed=4, drafter_seed=14, block_size=6, vocab_size=320)
+    return pair(tmp_path_factory.mktemp("lanes"))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
