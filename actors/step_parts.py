@@ -188,7 +188,7 @@ def pack_drafted(d: Drafted) -> list[torch.Tensor]:
 
 def drafted_buffers(n: int, B: int, tree: bool, sampled: bool, top_k: int, dev) -> list[torch.Tensor]:
     """Empty tensors of ``pack_drafted``'s shapes."""
-    width = list(drafted_columns(B, tree).values())[-1].stop
+    width = max(cols.stop for cols in drafted_columns(B, tree).values())
     out = [torch.empty(n, width, dtype=torch.int64, device=dev)]
     if sampled:
         out += [torch.empty(n, B - 1, top_k, dtype=torch.int64, device=dev),
