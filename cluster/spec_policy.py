@@ -20,12 +20,20 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   grows with the tokens a step emits, is the limit: on the H200 the
   embedded pair served at c=16 ran 0.73x of autoregressive when only device
   time was weighed): the lower median of its last ``COST_SAMPLES`` timed
-  steps, each kind measured on first use by running it. A median, since a
-  cycle's wall time has a floor and a long tail, and a losing kind is
-  timed only by its rare probes: on the H200 at c=64 T=1, moving means
-  priced autoregressive steps at 2.23 ms and 4-row chains at 2.71 where
-  such cycles ran at 1.58 and 2.01, and the policy verified 8-row chains
-  at 0.93x of the autoregressive engine;
+  steps, or of those of its latest run (a probe, or the stretch it has
+  been chosen for) where that is lower, each kind measured on first use
+  by running it. A median, since a cycle's wall time has a floor and a
+  long tail, and a losing kind is timed only by its rare probes: on the
+  H200 at c=64 T=1, moving means priced autoregressive steps at 2.23 ms
+  and 4-row chains at 2.71 where such cycles ran at 1.58 and 2.01, and the
+  policy verified 8-row chains at 0.93x of the autoregressive engine. The
+  latest run where lower, since errors are not alike: a kind priced too
+  low is chosen, so timed every step and corrected within a few; a losing
+  kind priced too high is retimed only by probes, up to
+  ``MAX_PROBE_EVERY`` steps apart, and readings older than its last probe
+  outvoted it (on the H100 at c=32 T=1, readings from the point's churn
+  priced autoregressive steps at 2.14 ms where they ran at 1.15-1.2, and
+  the policy speculated at 0.90x of the autoregressive engine);
 * the tokens a row emits when it verifies ``d`` drafts: ``1 + sum(S_j, j <=
   d)``, where ``S_j``, the chance that a row accepts at least ``j`` drafts,
   is an exponentially weighted mean over the engine's recent speculative
@@ -57,7 +65,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
-COST_SAMPLES = 5  # a kind's cost: the lower median of its last this many timed steps
+COST_SAMPLES = 5  # a kind's cost: the lower median of its last this many timed steps (or its latest run's)
+RUN_GAP = 16  # a kind's timed steps at most this many steps apart are one run
 CONFIRM = 3  # a losing kind's cost is probed at the base cadence until this many steps are timed
 # Weight of one row in a position's acceptance mean (a step whose n rows
 # verified the position weighs 1 - (1 - ROW_ALPHA)**n): a sampled row emits 1 token or many, so
@@ -102,6 +111,8 @@ class SpecPolicy:
     # beside the cycles' own costs).
     measured: dict[tuple[int, int], list] = field(default_factory=dict)
     recent: dict[tuple[int, int], deque] = field(default_factory=dict)  # the last COST_SAMPLES timed steps
+    run: dict[tuple[int, int], deque] = field(default_factory=dict)  # ... of the kind's latest run
+    last_timed: dict[tuple[int, int], int] = field(default_factory=dict)  # steps chosen when it was last timed
 
     @cached_property
     def options(self) -> tuple[int, ...]:
@@ -168,8 +179,14 @@ class SpecPolicy:
             m = self.measured.setdefault(key, [0, 0.0])
             m[0], m[1] = m[0] + 1, m[1] + seconds
             recent = self.recent.setdefault(key, deque(maxlen=COST_SAMPLES))
+            run = self.run.setdefault(key, deque(maxlen=COST_SAMPLES))
+            now = sum(self.choices.values())
+            if now - self.last_timed.get(key, now) > RUN_GAP:
+                run.clear()
+            self.last_timed[key] = now
             recent.append(seconds)
-            self.cost[key] = sorted(recent)[(len(recent) - 1) // 2]
+            run.append(seconds)
+            self.cost[key] = min(lower_median(recent), lower_median(run))
         if drafts and rows:
             self._observe_acceptance(self._shape(kind, drafts), rows)
 
@@ -223,6 +240,10 @@ def probe_every(base: int, advantage: float, budget: float = PROBE_BUDGET) -> in
     ``MAX_PROBE_EVERY`` at most."""
     loss = PROBE_STEPS * (1 - 1 / max(1.0, advantage))
     return int(min(MAX_PROBE_EVERY, max(base, loss / budget)))
+
+
+def lower_median(xs) -> float:
+    return sorted(xs)[(len(xs) - 1) // 2]
 
 
 def step_key(n: int, drafts: int, full: int) -> str:

@@ -116,6 +116,31 @@ def test_a_cold_first_cost_of_the_losing_kind_is_confirmed_soon():
     assert not p.choose(64, "sampled")  # 1 token in 1.3 ms beats 1.75 in 2.5
 
 
+def test_a_losing_kinds_stale_cost_gives_way_to_its_next_cheaper_probe():
+    """Readings from a churning stretch priced a losing kind too high (on
+    the H100 at c=32 T=1 autoregressive steps at 2.14 ms where they ran at
+    1.15-1.2): the median of its last steps held that price until three
+    probes, up to MAX_PROBE_EVERY steps apart, had timed it again. A
+    cheaper probe is taken at once, since a kind priced too low is then
+    chosen and timed every step; a dearer run still has to make the median."""
+    p = SpecPolicy(block_size=8)
+    p.observe(32, 7, 0.0023, "sampled", [(1, 7)] * 40 + [(0, 7)] * 10)  # 1.8 tokens a row
+    for _ in range(COST_SAMPLES):
+        p.observe(32, 0, 0.00214, "sampled")
+    picks = [p.choose(32, "sampled") for _ in range(AR_PROBE_EVERY)]
+    assert set(picks) == {7}  # 1.8 tokens in 2.3 ms beat 1 in 2.14
+    p.observe(32, 0, 0.0012, "sampled")  # a probe's timed step, a run of its own
+    assert p.cost[(32, 0)] == 0.0012
+    assert p.choose(32, "sampled") == 0  # 1 token in 1.2 ms beats 1.8 in 2.3
+    # one slow step of the run does not bring the old price back; a run of them moves the cost
+    p.observe(32, 0, 0.0040, "sampled")
+    assert p.cost[(32, 0)] == 0.0012
+    for _ in range(2):
+        p.choose(32, "sampled")
+        p.observe(32, 0, 0.0040, "sampled")
+    assert p.cost[(32, 0)] == 0.0040
+
+
 def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
     """A sampled row emits 1 token half the time and 2-4 otherwise (mean 2);
     2 tokens in 1.43 ms beat 1 in 1.02 ms, so nearly every step speculates
