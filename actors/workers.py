@@ -59,6 +59,7 @@ from specray.config import DrafterSpec, EngineConfig, TargetSpec
 from specray.draft_tree import load_universe
 from specray.draft_tree import unsupported as tree_unsupported
 from specray.engine_loop import freeze_startup_heap
+from specray.output_wire import pack
 from specray.plan import DraftBatch, DraftOutput, TargetBatch
 
 # ------------------------------------------------------- distributed set-up
@@ -487,9 +488,11 @@ class TargetRank:
         self.calls["abort"] += 1
         self.loop.abort(request_ids)
 
-    def get_outputs(self, cursor: int = -1, timeout: float = 1.0, min_batch_s: float = 0.005):
+    def get_outputs(self, cursor: int = -1, timeout: float = 1.0, min_batch_s: float = 0.005) -> tuple[int, bytes]:
+        """``EngineLoop.get_outputs``, packed (``output_wire``)."""
         self.calls["get_outputs"] += 1
-        return self.loop.get_outputs(cursor, timeout, min_batch_s)
+        cursor, outs = self.loop.get_outputs(cursor, timeout, min_batch_s)
+        return cursor, pack(outs)
 
     def stats(self) -> dict:
         return {**self.loop.stats(), "calls": dict(self.calls)}

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from specray.config import ConfigError, EngineConfig
 from specray.faults import EngineUnavailable
+from specray.output_wire import OutputUnpacker
 from specray.request import PromptsRefused, RequestOutput, take_queued
 from specray.sampling import SamplingParams
 
@@ -75,6 +76,15 @@ class _RayCore:
         self.group = EngineGroup(actors, start)
         self.cursor = -1  # of the blocking callers (generate_sync), in epoch _sync_epoch
         self._sync_epoch = 0
+        self._unpackers: dict[str, tuple[int, OutputUnpacker]] = {}  # by caller: (epoch, its unpacker)
+
+    def _unpack(self, caller: str, epoch: int, data: bytes) -> list[RequestOutput]:
+        """Rank 0's packed outputs (``output_wire``), rebuilt against what
+        this caller applied before, in this epoch of the group."""
+        held = self._unpackers.get(caller)
+        if held is None or held[0] != epoch:
+            held = self._unpackers[caller] = (epoch, OutputUnpacker())
+        return held[1].unpack(data)
 
     @property
     def actors(self):
@@ -134,7 +144,8 @@ class _RayCore:
 
             raise EngineLost(epoch, "the engine lost a worker; its requests ended")
         try:
-            return self.ray.get(self.group.actors.driver.get_outputs.remote(cursor, timeout))
+            cursor, data = self.ray.get(self.group.actors.driver.get_outputs.remote(cursor, timeout))
+            return cursor, self._unpack("sync", epoch, data)
         except self._dead as e:
             raise self._lost(epoch, e) from None
         except self.ray.exceptions.RayTaskError as e:
@@ -193,14 +204,14 @@ class _RayCore:
         if epoch is not None and epoch != live:
             raise EngineLost(epoch, "the engine lost a worker; its requests ended")
         try:
-            cursor, outs = await actors.driver.get_outputs.remote(cursor, timeout)
+            cursor, data = await actors.driver.get_outputs.remote(cursor, timeout)
         except self._dead as e:
             raise self._lost(live, e) from None
         except self.ray.exceptions.RayTaskError as e:
             if self.group.state == "closed" or "unavailable" not in str(e):
                 raise
             raise self._lost(live, e) from None
-        return live, cursor, outs
+        return live, cursor, self._unpack("async", live, data)
 
     def stats(self) -> dict:
         epoch, actors = self.group.current()

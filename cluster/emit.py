@@ -116,11 +116,15 @@ class RequestEmit:
         # make a long generation's traffic quadratic.
         delta_logprobs = r.logprobs[r.sent_token_len :] if asked else None
         r.sent_token_len = len(r.output_token_ids)
+        # The text its deltas have sent: a held-back tail may still be cut
+        # by a stop string (vLLM's cumulative text holds it back too), and
+        # text is then the previous output's plus delta_text (output_wire.py).
+        text = r.text if r.finished or r.sent_text_len == len(r.text) else r.text[: r.sent_text_len]
         return RequestOutput(
             request_id=r.request_id,
             prompt=r.prompt,
             prompt_token_ids=r.prompt_token_ids,
-            text=r.text,
+            text=text,
             token_ids=list(r.output_token_ids),
             finished=r.finished,
             finish_reason=r.finish_reason,

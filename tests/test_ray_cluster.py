@@ -13,6 +13,7 @@ from factories import make_models, make_target
 from specray import LLM, ConfigError, SamplingParams
 from specray.async_engine import AsyncEngine
 from specray.config import EngineConfig
+from specray.output_wire import OutputUnpacker
 
 ray = pytest.importorskip("ray")
 
@@ -330,11 +331,11 @@ def test_output_delivery_is_batched(cluster):
         ids = [f"b{i}" for i in range(4)]
         ray.get(driver.submit.remote([(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), i)
                                       for p, i in zip(PROMPTS, ids)]))
-        done, cursor = set(), -1
+        done, cursor, unpacker = set(), -1, OutputUnpacker()
         while len(done) < len(ids):
             # 0.5 s of batching spans several steps even on a loaded 2-core machine (0.1 s did not)
-            cursor, outs = ray.get(driver.get_outputs.remote(cursor, 1.0, 0.5))
-            for o in outs:
+            cursor, data = ray.get(driver.get_outputs.remote(cursor, 1.0, 0.5))
+            for o in unpacker.unpack(data):
                 if o.finished:
                     done.add(o.request_id)
         stats = llm.stats()
