@@ -37,7 +37,8 @@ class RemoteDrafterRestart:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from specray.actors.pair_channel import pair_address, remove_address
-        from specray.actors.workers import DrafterActor, RemoteDrafter, drafter_channel, free_address, node_id
+        from specray.actors.remote_drafter import RemoteDrafter, drafter_channel
+        from specray.actors.workers import DrafterActor, free_address, node_id
 
         timeout = max(60.0, 4 * self.config.drafter_timeout_s)
         old, self.handle = self.handle, None

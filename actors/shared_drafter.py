@@ -46,7 +46,8 @@ from specray.actors.messages import (
 from specray.actors.step_peers import DrafterReplays
 from specray.actors.target import kv_capacity
 from specray.actors.transport import recv_message
-from specray.actors.workers import drafter_channel, drafter_replays, load_drafter, node_id
+from specray.actors.remote_drafter import drafter_channel
+from specray.actors.workers import drafter_replays, load_drafter, node_id
 from specray.config import EngineConfig
 from specray.draft_tree import DraftTree
 from specray.plan import DraftBatch, DraftOutput

@@ -50,13 +50,13 @@ def _sync(device):
 
 
 def _end(rank: int, args, rendezvous, q) -> None:
-    from specray.actors import messages as M, workers as W
+    from specray.actors import messages as M, remote_drafter as R
     from specray.actors.transport import TorchP2PChannel
 
     if args.channel == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        ch = W.CupyNcclChannel(rendezvous, rank, device)
+        ch = R.CupyNcclChannel(rendezvous, rank, device)
     else:
         import torch.distributed as dist
 
@@ -76,7 +76,7 @@ def _end(rank: int, args, rendezvous, q) -> None:
                     M.DraftOutput(torch.zeros(S, B - 1, dtype=torch.int64, device=device), None, None)))
         _sync(device)
         return
-    drafter = W.RemoteDrafter(ch, device)
+    drafter = R.RemoteDrafter(ch, device)
     results = {}
     for S in args.batch:
         ctx, batch = step_messages(S, B, width, device)

@@ -17,7 +17,7 @@ from specray import LLM
 from specray import engine as engine_mod
 from specray import step_wait as W
 from specray.actors.transport import CupyNcclChannel, SplitChannel, TorchP2PChannel
-from specray.actors.workers import RemoteDrafter
+from specray.actors.remote_drafter import RemoteDrafter
 from specray.engine import EngineCore
 from specray.faults import DrafterLost, GroupLost, GuardedDrafter
 from factories import make_models
