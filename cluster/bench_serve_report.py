@@ -21,7 +21,10 @@ DEFINITIONS = {
     "mean_acceptance_length": "tokens per decode step over all steps of all requests (accepted drafts + 1)",
     "engine": "the engine's own counters over the timed run (HTTP: GET /server_info before and after): steps, "
               "busy = time in steps / wall time, step_ms = mean step wall time, async_gpu_ms = GPU time of an "
-              "asynchronous step where timed",
+              "asynchronous step where timed, sync_step_ms = mean wall time of the synchronous steps, cycles = "
+              "the asynchronous cycles by the kind and padded size of the step they applied (8a: autoregressive "
+              "at 8 rows, 8s: the whole block, 8s3: 3 drafts; +join: requests joined in it): count, mean wall "
+              "ms, mean GPU ms (0: not timed), tokens emitted",
 }
 
 
@@ -132,10 +135,25 @@ def engine_counters(before: dict | None, after: dict | None, wall_s: float) -> d
     d = {k: after.get(k, 0) - before.get(k, 0)
          for k in ("num_steps", "num_async_steps", "chain_joins", "step_time_s", "async_wall_s", "async_gpu_s")}
     steps, async_steps = d["num_steps"], d["num_async_steps"]
+    sync_steps = steps - async_steps
     return {"steps": steps, "async_steps": async_steps, "chain_joins": d["chain_joins"],
             "busy": round(d["step_time_s"] / wall_s, 4),
             "step_ms": round(1e3 * d["step_time_s"] / steps, 4) if steps else None,
-            "async_gpu_ms": round(1e3 * d["async_gpu_s"] / async_steps, 4) if async_steps and d["async_gpu_s"] else None}
+            "async_gpu_ms": round(1e3 * d["async_gpu_s"] / async_steps, 4) if async_steps and d["async_gpu_s"] else None,
+            "sync_step_ms": round(1e3 * (d["step_time_s"] - d["async_wall_s"]) / sync_steps, 4) if sync_steps else None,
+            "cycles": cycle_deltas(before.get("cycle_costs") or {}, after.get("cycle_costs") or {})}
+
+
+def cycle_deltas(before: dict, after: dict) -> dict:
+    """The async cycles of a point by kind (``EngineCore._count_cycle``):
+    count, mean wall and GPU ms, tokens emitted."""
+    out = {}
+    for key, (n, wall, gpu, tokens) in sorted(after.items()):
+        n0, wall0, gpu0, tokens0 = before.get(key, (0, 0.0, 0.0, 0))
+        if n > n0:
+            out[key] = [n - n0, round(1e3 * (wall - wall0) / (n - n0), 4), round(1e3 * (gpu - gpu0) / (n - n0), 4),
+                        tokens - tokens0]
+    return out
 
 
 def _ratio(a: float, b: float) -> float | None:

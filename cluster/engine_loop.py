@@ -153,6 +153,7 @@ class EngineLoop:
             "prefill_chains": self.engine.num_prefill_chains,  # chains launched from a prefill's device tokens
             "async_wall_s": self.engine.async_wall_s,
             "async_gpu_s": self.engine.async_gpu_s,
+            "cycle_costs": {k: list(v) for k, v in self.engine.cycle_costs.items()},
             "step_time_s": self.step_time_s,
             "model_time_s": self.model_time_s,
             "pools": pools,

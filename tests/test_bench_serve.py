@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specray.bench_serve_report import percentile, ratios, summarize
+from specray.bench_serve_report import engine_counters, percentile, ratios, summarize
 from specray.load_client import HttpTarget, Job, RequestResult, closed_loop, http_request
 
 pytest.importorskip("aiohttp")
@@ -99,6 +99,18 @@ def _serve_canned(stalls: bool, contents: list[str], concurrency: int, max_error
             await runner.cleanup()
 
     return asyncio.run(go())
+
+
+def test_engine_counters_split_a_points_time_by_step_kind():
+    before = {"num_steps": 10, "num_async_steps": 8, "chain_joins": 1, "step_time_s": 0.02, "async_wall_s": 0.012,
+              "async_gpu_s": 0.0, "cycle_costs": {"16a": [8, 0.012, 0.0, 128]}}
+    after = {"num_steps": 30, "num_async_steps": 26, "chain_joins": 3, "step_time_s": 0.07, "async_wall_s": 0.042,
+             "async_gpu_s": 0.0, "cycle_costs": {"16a": [24, 0.036, 0.0, 384], "16a+join": [2, 0.006, 0.0, 30]}}
+    e = engine_counters(before, after, wall_s=0.1)
+    assert (e["steps"], e["async_steps"], e["chain_joins"], e["busy"]) == (20, 18, 2, 0.5)
+    assert e["step_ms"] == 2.5 and e["sync_step_ms"] == 10.0 and e["async_gpu_ms"] is None
+    # per kind: count, mean wall ms, mean GPU ms, tokens; kinds the point did not run are left out
+    assert e["cycles"] == {"16a": [16, 1.5, 0.0, 256], "16a+join": [2, 3.0, 0.0, 30]}
 
 
 def test_http_client_reads_a_stream():
