@@ -49,6 +49,7 @@ from specray.actors.transport import recv_message
 from specray.actors.remote_drafter import drafter_channel
 from specray.actors.workers import drafter_replays, load_drafter, node_id
 from specray.config import EngineConfig
+from specray.priority import normal_priority
 from specray.draft_tree import DraftTree
 from specray.plan import DraftBatch, DraftOutput
 from specray.sampling import SamplingTensors
@@ -246,6 +247,7 @@ class SharedDrafterActor:
         proposals served. An error ends this replica's loop only (its rank 0
         finds the pair closed or times out, and steps without a drafter):
         the other replicas keep their drafter."""
+        normal_priority()
         channel = self.channels[replica]
         base = replica * self.blocks_per_replica
         base_slot = base * self.config.kv_block_size

@@ -55,6 +55,7 @@ from specray.draft_tree import unsupported as tree_unsupported
 from specray.engine_loop import freeze_startup_heap
 from specray.output_wire import pack
 from specray.plan import TargetBatch
+from specray.priority import normal_priority
 
 # ------------------------------------------------------- distributed set-up
 def free_address() -> tuple[str, int]:
@@ -176,6 +177,7 @@ class DrafterActor:
     @exit_on_failure
     def serve(self) -> int:
         """Serve rank 0 until it says stop; returns the steps served."""
+        normal_priority()
         freeze_startup_heap()  # else a full collection walks the loaded heap while rank 0's steps wait
         while True:
             cmd, ts = recv_message(self.channel, HOST_CMDS)
@@ -251,6 +253,7 @@ class TargetRank:
         self.max_model_len = max_model_len
         self.device = resolve_device("cuda" if config.device != "cpu" else "cpu")
         cpu_threads(self.device)
+        normal_priority()
         self.spec = TargetSpec.from_dir(config.target)
         self.drafter_spec = DrafterSpec.from_dir(config.drafter) if config.drafter else None
         self.tp_group = None
@@ -300,6 +303,7 @@ class TargetRank:
         graphs, shared = {}, {}
         block = self.config.draft_block_size(self.drafter_spec.block_size) if self.drafter_spec else 1
         settings = StepSettings.make(self.config, block, self.max_model_len, None)
+        normal_priority()  # this loop's thread, started after __init__
         freeze_startup_heap()
         while True:
             cmd, ts = receive_broadcast(self.tp_group, self.device, host_cmds=HOST_CMDS)
@@ -334,6 +338,8 @@ class TargetRank:
         from specray.detokenizer import load_tokenizer
         from specray.engine import EngineCore
         from specray.engine_loop import EngineLoop
+
+        normal_priority()  # the step thread starts from this one
 
         target = TPDriver(self.worker, self.tp_group)
         drafter = restart = None

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from specray.batch_io import BatchError
 from specray.detokenizer import chat_prompt_ids
 from specray.faults import EngineUnavailable
+from specray.priority import local_ray_env, normal_priority
 from specray.request import PromptsRefused
 
 
@@ -94,6 +95,7 @@ class Replica:
             torch.set_num_threads(num_threads)
         from specray.llm import LLM
 
+        normal_priority()  # a Ray Data actor: its engine steps in this process (in-process backend) or its own
         self.llm = LLM(**llm_kwargs)
 
     def __call__(self, batch):
@@ -257,6 +259,7 @@ def _connect_ray(address: str | None, num_cpus: int | None) -> bool:
         ray.init(address=address, logging_level="WARNING", **kw)
     else:
         # "local": a new private instance even if a `ray start` cluster runs here.
+        local_ray_env()
         ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
                  logging_level="WARNING")
     return True

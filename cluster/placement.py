@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from specray.config import ConfigError, EngineConfig, TargetSpec
+from specray.priority import local_ray_env
 
 
 # Ray reads this when it is imported: a local cluster then stays on loopback.
@@ -45,6 +46,7 @@ def ensure_ray(num_cpus: int | None = None):
         if address:
             ray.init(address=address, logging_level="WARNING")
         else:
+            local_ray_env()
             ray.init(
                 address="local",
                 num_cpus=num_cpus or max(8, os.cpu_count() or 1),

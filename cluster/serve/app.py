@@ -100,10 +100,12 @@ class SpecRayServer(GrpcService):
         from specray.detokenizer import load_tokenizer, max_prompt_bytes, max_prompt_chars
         from specray.engine_loop import freeze_startup_heap
         from specray.llm import resolve_max_model_len
+        from specray.priority import normal_priority
         from specray.serve.loopback import bind_replica_server_to_node_ip
         from specray.serve.metrics import ServeMetrics
 
         bind_replica_server_to_node_ip()
+        normal_priority()
         s = ServeArgs.model_validate(settings)
         if s.api_key is None:
             s = s.model_copy(update={"api_key": os.environ.get("SPECRAY_API_KEY") or None})

@@ -70,9 +70,11 @@ def _start_ray(host: str):
     if address:
         ray.init(address=address, namespace="serve", logging_level="WARNING", log_to_driver=False)
         return False
+    from specray.priority import local_ray_env
     from specray.serve.loopback import prepare_local_ray
 
     prepare_local_ray(host)
+    local_ray_env()
     # address="local": a fresh cluster even if /tmp/ray/ray_current_cluster
     # names one that `ray start` left behind.
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
