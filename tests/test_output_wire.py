@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from factories import add_tokenizer, make_drafter, make_target
+from factories import make_models
 from specray import SamplingParams
 from specray.config import EngineConfig
 from specray.llm import build_engine
@@ -18,10 +18,7 @@ from specray.request import RequestOutput, coalesce
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wire")
-    hf = make_target(root / "t", seed=3)
-    add_tokenizer(root / "t", hf.config.vocab_size)
-    make_drafter(root / "d", hf.config)
+    root = make_models(tmp_path_factory.mktemp("wire"), seed=3)
     return build_engine(EngineConfig(target=str(root / "t"), drafter=str(root / "d"), num_kv_blocks=256,
                                      kv_block_size=4))
 
