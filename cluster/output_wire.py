@@ -18,6 +18,7 @@ with the deltas appended.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 from specray.request import RequestOutput
@@ -47,8 +48,9 @@ class OutputUnpacker:
                 prev = self.latest.get(rid)
                 if prev is None:
                     raise RuntimeError(f"an output of request {rid!r} came before its first one")
-                out = RequestOutput(rid, prev.prompt, prev.prompt_token_ids, prev.text + text, prev.token_ids + ids,
-                                   False, None, metrics, text, ids, delta_logprobs=logprobs)
+                # prev is unfinished: no finish reason, stop, error or whole logprobs to carry
+                out = dataclasses.replace(prev, text=prev.text + text, token_ids=prev.token_ids + ids, metrics=metrics,
+                                          delta_text=text, delta_token_ids=ids, delta_logprobs=logprobs)
             if out.finished:
                 self.latest.pop(out.request_id, None)
             else:
