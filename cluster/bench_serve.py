@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from specray.cli import add_model_args, drafting_args
 
@@ -214,6 +215,8 @@ class Sweep:
                 p = summarize(path, drafter, temp, conc, run.results, run.wall_s, self.args.save_outputs,
                               run.skipped, run.aborted)
                 p.load_average_1m = round(os.getloadavg()[0], 2)
+                if self.args.url and urlsplit(self.args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+                    p.transport = None  # another host's clock
                 p.engine = engine_counters(before, await stats() if before else None, run.wall_s)
                 self.points.append(p)
                 self.outputs[p.key()] = {r.id: r.token_ids for r in run.results if r.error is None}
@@ -221,6 +224,8 @@ class Sweep:
                       f"{p.output_tok_s:.1f} tok/s, {p.request_throughput:.2f} req/s, TTFT p50 "
                       f"{p.ttft_p50_ms:.1f} ms, accept {p.mean_acceptance_length:.2f}, errors {p.errors}"
                       + (f", engine busy {p.engine['busy']:.0%}" if p.engine else "")
+                      + (", in/ttft/out/done p50 {inbound_ms:.1f}/{engine_ttft_ms:.1f}/{outbound_ms:.1f}/"
+                         "{done_ms:.1f} ms".format(**p.transport) if p.transport else "")
                       + (f" ({p.error_samples[0]})" if p.error_samples else "")
                       + (f"; ABORTED: {p.aborted}" if p.aborted else ""), flush=True)
 

@@ -19,6 +19,10 @@ DEFINITIONS = {
     "output_tok_s": "output tokens of all requests / wall seconds from the first send to the last completion",
     "output_tokens": "HTTP: the final usage chunk's completion_tokens; in process: tokens generated",
     "mean_acceptance_length": "tokens per decode step over all steps of all requests (accepted drafts + 1)",
+    "transport": "p50 over requests, ms, from the engine's own times (its host's monotonic clock, the client's "
+                 "too when both run on one host): inbound = sent -> the engine took it, engine_ttft = taken -> "
+                 "first token, outbound = first token -> its chunk at the client, done = the engine ended it -> "
+                 "the stream's end at the client; null where the server sent no times",
     "engine": "the engine's own counters over the timed run (HTTP: GET /server_info before and after): steps, "
               "busy = time in steps / wall time, step_ms = mean step wall time, async_gpu_ms = GPU time of an "
               "asynchronous step where timed, sync_step_ms = mean wall time of the synchronous steps, cycles = "
@@ -75,6 +79,7 @@ class Point:
     error_samples: list[str] = field(default_factory=list)
     requests: list[dict] | None = None  # per request, with --save-outputs
     engine: dict | None = None  # the engine's own counters over the timed run (engine_counters)
+    transport: dict | None = None  # DEFINITIONS["transport"]
 
     def key(self) -> tuple:
         return self.path, self.drafter, self.temperature, self.concurrency
@@ -115,6 +120,7 @@ def summarize(path: str, drafter: bool, temperature: float, concurrency: int, re
         mean_acceptance_length=round(sum(steps) / len(steps), 4) if steps else 0.0,
         decode_steps=len(steps), skipped=skipped, aborted=aborted,
         error_samples=list(dict.fromkeys(r.error for r in results if r.error))[:5],
+        transport=transport_p50(ok),
     )
     if save_outputs:
         point.requests = [{"id": r.id, "output_tokens": r.output_tokens, "text": r.text, "token_ids": r.token_ids,
@@ -122,6 +128,13 @@ def summarize(path: str, drafter: bool, temperature: float, concurrency: int, re
                            "latency_ms": _ms(r.latency) if r.latency is not None else None, "error": r.error}
                           for r in sorted(results, key=lambda r: r.id)]
     return point
+
+
+def transport_p50(results: list[RequestResult]) -> dict | None:
+    parts = [t for t in (r.transport() for r in results) if t is not None]
+    if not parts:
+        return None
+    return {f"{k}_ms": _ms(percentile([t[k] for t in parts], 50)) for k in parts[0]}
 
 
 def engine_counters(before: dict | None, after: dict | None, wall_s: float) -> dict | None:

@@ -39,6 +39,9 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     timed_out: bool = False  # the engine stopped answering: no use sending more
+    # The engine's arrival / first_token / finished times (time.monotonic on
+    # its host, which is perf_counter's clock: comparable on one host).
+    engine_times: dict | None = None
 
     def tokens(self, token_ids: list[int], text: str) -> None:
         if token_ids:
@@ -58,6 +61,17 @@ class RequestResult:
     @property
     def latency(self) -> float | None:
         return None if self.end is None else self.end - self.start
+
+    def transport(self) -> dict[str, float] | None:
+        """Where the request's time went outside the engine: ``inbound``
+        (sent -> the engine took it), ``outbound`` (the engine's first token
+        -> its chunk here), ``done`` (the engine ended it -> the stream's
+        end here); None without the engine's times."""
+        e = self.engine_times
+        if not e or e.get("first_token") is None or not self.chunk_times or self.end is None:
+            return None
+        return {"inbound": e["arrival"] - self.start, "engine_ttft": e["first_token"] - e["arrival"],
+                "outbound": self.chunk_times[0] - e["first_token"], "done": self.end - e["finished"]}
 
     def chunk_gaps(self) -> list[float]:
         t = self.chunk_times
@@ -189,6 +203,7 @@ def _read_chunk(r: RequestResult, chunk: dict) -> None:
             r.finish_reason = choice["finish_reason"]
     if chunk.get("specray"):
         r.acceptance_lengths = list(chunk["specray"].get("acceptance_lengths") or [])
+        r.engine_times = chunk["specray"].get("engine_times")
     if chunk.get("usage"):
         r.usage_tokens = chunk["usage"]["completion_tokens"]
 
@@ -216,6 +231,9 @@ async def inprocess_request(engine, params, job: Job, request_timeout_s: float =
             if out.finished:
                 r.finish_reason = out.finish_reason
                 r.acceptance_lengths = list(out.metrics.acceptance_lengths)
+                m = out.metrics
+                r.engine_times = {"arrival": m.arrival_time, "first_token": m.first_token_time,
+                                  "finished": m.finished_time}
                 if out.finish_reason not in ("stop", "length"):
                     r.error = f"finished with {out.finish_reason}: {(out.error or '')[-300:]}"
                 break

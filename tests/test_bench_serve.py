@@ -4,6 +4,7 @@ on the embedded pair (a `specray serve` child and the in-process engine)."""
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -53,6 +54,7 @@ def _sse_app(stalls: bool = False):
     from aiohttp import web
 
     async def chat(request):
+        arrival = time.monotonic()
         body = await request.json()
         if body["messages"][0]["content"] == "refuse":
             return web.json_response({"error": {"message": "nope"}}, status=429)
@@ -63,13 +65,19 @@ def _sse_app(stalls: bool = False):
                  _chunk({"index": 0, "delta": {"content": "Hi"}, "token_ids": [5], "finish_reason": None}),
                  _chunk({"index": 0, "delta": {"content": " there you"}, "token_ids": [6, 7, 8],
                          "finish_reason": None}),
-                 _chunk({"index": 0, "delta": {}, "finish_reason": "length"},
-                        specray={"acceptance_lengths": [3], "mean_acceptance_length": 3.0}),
+                 None,  # the finish chunk, with the times of what came before it
                  _chunk([], usage={"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}),
                  "data: [DONE]\n\n"]
+        first = None
         for i, part in enumerate(parts):
             if stalls and i == 2:
                 await asyncio.sleep(2)
+            if part is None:
+                times = {"arrival": arrival, "first_token": first, "finished": time.monotonic()}
+                part = _chunk({"index": 0, "delta": {}, "finish_reason": "length"},
+                              specray={"acceptance_lengths": [3], "mean_acceptance_length": 3.0,
+                                       "engine_times": times})
+            first = first or (time.monotonic() if i == 1 else None)
             await resp.write(part.encode())
             await asyncio.sleep(0.01)
         return resp
@@ -122,6 +130,11 @@ def test_http_client_reads_a_stream():
     assert r.error is None and r.text == "Hi there you" and r.token_ids == [5, 6, 7, 8]
     assert r.chunk_tokens == [1, 3] and r.output_tokens == 4 and r.acceptance_lengths == [3]
     assert r.finish_reason == "length" and r.ttft > 0 and len(r.itl_per_token()) == 3
+    # the server's times, on this host's clock: where the TTFT went
+    t = r.transport()
+    assert t["inbound"] >= 0 and t["engine_ttft"] >= 0.009 and t["outbound"] >= 0 and t["done"] >= 0, t
+    assert abs(t["inbound"] + t["engine_ttft"] + t["outbound"] - r.ttft) < 1e-9
+    assert t["inbound"] < r.ttft and t["outbound"] < r.ttft
 
 
 def test_a_point_gives_up_at_a_timeout_or_after_max_errors():
@@ -221,6 +234,9 @@ def test_bench_serve_end_to_end_on_the_embedded_pair(tmp_path):
         assert p["ttft_p50_ms"] > 0 and p["itl_p50_ms"] > 0 and p["mean_acceptance_length"] >= 1
         for k in ("ttft_p99_ms", "itl_p99_ms", "chunk_gap_p50_ms"):
             assert p[k] > 0
+        # the engine's times against the client's (one host, one clock): each part of the TTFT non-negative
+        t = p["transport"]
+        assert min(t.values()) >= 0 and t["engine_ttft_ms"] > 0 and t["inbound_ms"] < p["ttft_p99_ms"], p
     for c in (1, 2):
         http, local = points["http", c]["requests"], points["inprocess", c]["requests"]
         assert [r["id"] for r in http] == [r["id"] for r in local]

@@ -130,7 +130,7 @@ class GrpcService:
                         msg.finish_reason = out.finish_reason
                         msg.usage.CopyFrom(pb.Usage(**u))
                         msg.stats.CopyFrom(pb.SpeculativeStats(
-                            **{k: v for k, v in st.items() if k != "ttft_s"}))
+                            **{k: v for k, v in st.items() if k not in ("ttft_s", "engine_times")}))
                         msg.ttft_s = st["ttft_s"] or 0.0
                     yield msg
                     if out.finished:
