@@ -36,6 +36,7 @@ from concurrency_sweep import closed_loop, step_counters, step_summary
 
 from specray import LLM, SamplingParams
 from specray.bench import load_prompts
+from specray.phase_timer import PhaseTimer, per_cycle
 
 
 def host_top(prof: cProfile.Profile, n: int, key: str = "own_ms", files: str | None = None) -> list[dict]:
@@ -49,70 +50,6 @@ def host_top(prof: cProfile.Profile, n: int, key: str = "own_ms", files: str | N
                          "own_ms": round(1000 * tt, 2), "cum_ms": round(1000 * ct, 2)})
     rows.sort(key=lambda r: -r[key])
     return rows[:n]
-
-
-class PhaseTimer:
-    """Host wall time of named engine functions (no added syncs: a phase
-    that launches GPU work costs its launch, one that reads results back
-    its wait), per ``step()`` call of each kind: requests joined the
-    running chain (``join_chain``), a synchronous step (a prefill, a
-    chain's start), or asynchronous steps only."""
-
-    def __init__(self, eng):
-        import specray.engine as engine_module
-        from specray import async_decode, chain_admit, sync_accept
-
-        self.eng, self.ms, self.cycles, self._in_join, self._undo = eng, Counter(), Counter(), False, []
-        wrap = [(type(eng), n) for n in ("_target_batch", "_accept", "_apply", "_apply_inflight", "speculate",
-                                         "_join_lanes", "_can_chain", "_sync_step", "_logprob_rows", "_emit",
-                                         "store_context", "_shape_admission")]
-        wrap += [(engine_module, "chain_from_prefill"), (eng.scheduler, "schedule")]
-        wrap += [(chain_admit, "_store_prompts"), (async_decode, "launch_decode"), (async_decode, "join_rows"),
-                 (sync_accept.AcceptedOnDevice, "read"), (async_decode.InflightStep, "wait"),
-                 (eng.scheduler, "admit_whole"), (eng.target, "execute"), (eng, "add_request")]
-        for owner, name in wrap:
-            self._wrap(owner, name)
-        self._wrap(chain_admit, "join_chain", join=True)
-        self._wrap(type(eng), "step", step=True)
-        self._undo.append((engine_module, "join_chain", engine_module.join_chain))
-        engine_module.join_chain = chain_admit.join_chain
-
-    def _wrap(self, owner, name, join=False, step=False):
-        fn = getattr(owner, name)
-        self._undo.append((owner, name, fn))
-        timer = self
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            if join:
-                timer._in_join = True
-            joins = timer.eng.num_chain_joins
-            try:
-                return fn(*a, **k)
-            finally:
-                dt = 1000 * (time.perf_counter() - t)
-                if step:
-                    synced = ("pending", "_sync_step") in timer.ms
-                    kind = "join" if timer.eng.num_chain_joins > joins else "sync" if synced else "async"
-                    timer.cycles[kind] += 1
-                    timer.ms[(kind, "step")] += dt
-                    for key in [k2 for k2 in timer.ms if k2[0] == "pending"]:
-                        timer.ms[(kind, key[1])] += timer.ms.pop(key)
-                    timer._in_join = False
-                else:
-                    timer.ms[("pending", name + (" (in join_chain)" if timer._in_join and not join else ""))] += dt
-
-        setattr(owner, name, timed)
-
-    def report(self) -> dict:
-        for owner, name, fn in reversed(self._undo):
-            setattr(owner, name, fn)
-        out = {}
-        for kind in ("join", "sync", "async"):
-            n = self.cycles[kind]
-            rows = {name: round(v / n, 4) for (k, name), v in self.ms.items() if k == kind and n}
-            out[kind] = {"cycles": n, "ms_per_cycle": dict(sorted(rows.items(), key=lambda kv: -kv[1]))}
-        return out
 
 
 def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures: CaptureCounter,
@@ -134,8 +71,11 @@ def run_variant(llm, prompts, params, c: int, force_ar: bool, top: int, captures
     out["mean_acceptance_length"] = round(sum(acc) / len(acc), 3) if acc else None
     if phases:
         timer = PhaseTimer(eng)
-        closed_loop(eng, prompts, params, c)
-        out["phases"] = timer.report()
+        try:
+            closed_loop(eng, prompts, params, c)
+        finally:
+            timer.close()
+        out["phases"] = per_cycle(timer.totals())
     prof = cProfile.Profile()
     prof.enable()
     t = time.perf_counter()

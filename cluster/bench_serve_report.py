@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from specray.load_client import RequestResult
+from specray.phase_timer import per_cycle
 
 # What the latency figures mean (stored in the JSON beside them).
 DEFINITIONS = {
@@ -154,7 +155,9 @@ def engine_counters(before: dict | None, after: dict | None, wall_s: float) -> d
             "step_ms": round(1e3 * d["step_time_s"] / steps, 4) if steps else None,
             "async_gpu_ms": round(1e3 * d["async_gpu_s"] / async_steps, 4) if async_steps and d["async_gpu_s"] else None,
             "sync_step_ms": round(1e3 * (d["step_time_s"] - d["async_wall_s"]) / sync_steps, 4) if sync_steps else None,
-            "cycles": cycle_deltas(before.get("cycle_costs") or {}, after.get("cycle_costs") or {})}
+            "cycles": cycle_deltas(before.get("cycle_costs") or {}, after.get("cycle_costs") or {}),
+            # with SPECRAY_PHASES=1 in the engine's environment: host ms per step() call by kind and function
+            "phases": per_cycle(after["phases"], before.get("phases")) if after.get("phases") else None}
 
 
 def cycle_deltas(before: dict, after: dict) -> dict:

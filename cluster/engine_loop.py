@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 import traceback
 
 from specray.engine import EngineCore
 from specray.faults import FaultHandler, GroupLost, format_error
+from specray.phase_timer import PhaseTimer
 from specray.request import RequestOutput, coalesce
 from specray.sampling import SamplingParams
 
@@ -56,6 +58,8 @@ class EngineLoop:
         self.faults = FaultHandler(engine, restart_drafter, restart_inline, wake=self._wake)
         self.failure: str | None = None  # what ended the loop, when a lost worker did
         self._step_started: float | None = None
+        # Diagnostics: the host time of each step's phases, in stats()
+        self.phases = PhaseTimer(engine) if os.environ.get("SPECRAY_PHASES") == "1" else None
         freeze_startup_heap()
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
@@ -167,6 +171,7 @@ class EngineLoop:
             "loop": "failed" if self.failure else ("stopped" if self._closed else "running"),
             "failure": self.failure,
             "drafter": self.faults.drafter.as_dict(),
+            "phases": self.phases.totals() if self.phases is not None else None,
         }
 
     def num_unfinished(self) -> int:
@@ -272,6 +277,8 @@ class EngineLoop:
             self._outbox.extend(aborted)
             self._cv.notify_all()
         self.faults.close()
+        if self.phases is not None:
+            self.phases.close()
         if self._on_stop is not None:
             try:
                 self._on_stop()
