@@ -425,8 +425,11 @@ class SpecRayServer(GrpcService):
             await shielded(release_all(leases))
 
     async def _sse(self, writer: P.ChunkWriter, firsts, trackers, leases: list[Lease]):
-        for chunk in writer.start():
-            yield chunk
+        # What one wake-up produced goes out in one write (a stream's role
+        # chunk with its first tokens, the last tokens with the finish, usage
+        # and [DONE] chunks): each write is a trip through Serve's and
+        # uvicorn's send path, and the end's trips delay the client's next request.
+        pending = list(writer.start())
         finals: dict[int, object] = {}
         waiting: dict[asyncio.Task, int] = {}  # each unfinished choice's next output
         try:
@@ -436,26 +439,28 @@ class SpecRayServer(GrpcService):
                 # chunks go out in the order their outputs arrive.
                 for i, out in ready:
                     trackers[i].update(out, time.monotonic())
-                    for chunk in writer.delta(i, out):
-                        yield chunk
+                    pending += writer.delta(i, out)
                     if not out.finished:
                         waiting[asyncio.ensure_future(leases[i].next())] = i
                     elif P.finish_reason(out) is None:  # the writer ended the stream with an error event
                         set_status(leases, P.output_error(out).status)
+                        yield b"".join(pending)
                         return
                     else:
                         finals[i] = out
                 if not waiting:
                     break
+                if pending:
+                    yield b"".join(pending)
+                    pending = []
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 ready = [(waiting.pop(task), task.result()) for task in done]
-            for chunk in writer.end([finals[i] for i in range(len(leases))]):
-                yield chunk
+            yield b"".join(pending + writer.end([finals[i] for i in range(len(leases))]))
             set_status(leases, 200)
         except RuntimeError as e:  # the engine failed under us: an error event ends the stream
             err = P.exception_error(e)
             set_status(leases, err.status)
-            yield P.sse(err.body())
+            yield b"".join(pending + [P.sse(err.body())])
         finally:
             for task in waiting:  # a queue's get is safe to cancel: nothing is lost
                 task.cancel()
