@@ -1,31 +1,20 @@
-"""The Ray Serve front (specray.serve) on a loopback Ray cluster, CPU only.
-
-One application serves every test: deployed by `serve run` (a subprocess
-joined to this module's cluster through RAY_ADDRESS) from a copy of
-deploy/ray/serve.yaml whose model paths, ports and sizes point at tiny random
-checkpoints. The engine runs with the Ray backend (target rank + drafter
-actor). Clients: the real `openai` client, raw HTTP over sockets (for
-disconnects and 429s), gRPC stubs and examples/grpc_client.py.
+"""The Ray Serve front (specray.serve) on a loopback Ray cluster, CPU only:
+the OpenAI API's semantics over HTTP and gRPC (models, auth, streaming,
+stops, penalties, n, logprobs, bad input) against the in-process engine.
+The application (Ray backend: target rank + drafter actor) and its clients:
+serve_harness.py; the traffic tests (concurrency, disconnects, limits,
+metrics, gRPC): test_serve_traffic.py.
 """
 
-import asyncio
-import http.client
-import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-# Ray reads this when it is imported: set it before (see also the fixture).
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-
-from factories import add_tokenizer, free_port, make_drafter, make_target  # noqa: E402
+from serve_harness import (API_KEY, APP, BODY_LIMIT, BODY_TIMEOUT, LIMIT, MODEL,
+                           REPO, deploy, grpc_stub)
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -35,135 +24,11 @@ from ray import serve  # noqa: E402
 
 from specray import LLM, SamplingParams  # noqa: E402
 from specray.serve import specray_pb2 as pb  # noqa: E402
-from specray.serve import specray_pb2_grpc as pb_grpc  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-API_KEY = "test-key-123"
-APP = "specray"
-MODEL = "tiny-qwen3"
-MAX_NUM_SEQS = 8
-MAX_QUEUED = 8
-LIMIT = MAX_NUM_SEQS + MAX_QUEUED  # generation requests a replica admits at once
-BODY_LIMIT, BODY_TIMEOUT = 1 << 20, 3.0
-PROMPTS = [
-    "The capital of France is", "Hello world, this is", "Speculative decoding drafts", "a test of the",
-    "Paris is", "The tokenizer", "blocks of tokens and", "verifies them at once.",
-    "Hello", "France", "world, this is a test", "The capital", "drafts a block", "of the tokenizer",
-    "at once", "is Paris.",
-]
-
-
-
-class Server:
-    def __init__(self, root: Path, http_port: int, grpc_port: int):
-        self.root, self.http_port, self.grpc_port = root, http_port, grpc_port
-        self.base = f"http://127.0.0.1:{http_port}"
-
-    # ---- raw HTTP (stdlib), for what the openai client hides
-    def request(self, method: str, path: str, body=None, key: str | None = API_KEY, timeout: float = 120):
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-        conn.close()
-        try:
-            payload = json.loads(raw)
-        except ValueError:
-            payload = raw.decode()
-        return resp.status, resp.headers, payload  # headers: case-insensitive
-
-    def client(self, key: str = API_KEY, async_: bool = False):
-        cls = openai.AsyncOpenAI if async_ else openai.OpenAI
-        return cls(base_url=f"{self.base}/v1", api_key=key, max_retries=0, timeout=120)
-
-    def stats(self) -> dict:
-        return serve.get_app_handle(APP).engine_stats.remote().result()
-
-    def wait_idle(self, timeout: float = 30.0) -> dict:
-        """Until no request is in flight and every KV block is free."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            idle = (st["in_flight"] == 0 and st["num_unfinished"] == 0 and st["running"] == 0
-                    and all(free == cap for free, cap in st["pools"].values()))
-            if idle or time.monotonic() > deadline:
-                return st
-            time.sleep(0.1)
-
-
-async def open_stream(port: int, body: dict, key: str = API_KEY, path: str = "/v1/completions",
-                      first_event: bool = True):
-    """A streaming request on a raw socket; returns once the first SSE event
-    arrived (the request is generating), or once sent."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    data = json.dumps(body).encode()
-    writer.write((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data)
-    await writer.drain()
-    if not first_event:
-        return reader, writer
-    status_line = await asyncio.wait_for(reader.readline(), 120)
-    assert b" 200 " in status_line, status_line
-    while (await reader.readline()) not in (b"\r\n", b""):
-        pass
-    while True:
-        line = await asyncio.wait_for(reader.readline(), 120)
-        if b"data: " in line:
-            return reader, writer
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from specray.serve.loopback import prepare_local_ray
-
-    # Loopback only: Ray (even if another test module imported it before the
-    # variable was set), the engine's gloo group, and Serve's gRPC proxy
-    # (which Serve would bind to [::]); the actors inherit this environment.
-    prepare_local_ray("127.0.0.1")
-    root = tmp_path_factory.mktemp("serve")
-    hf = make_target(root / MODEL, seed=2)
-    add_tokenizer(root / MODEL, hf.config.vocab_size)
-    make_drafter(root / "drafter", hf.config, seed=12, block_size=8)
-    # address="local": a fresh cluster even if `ray start` left an address file.
-    ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
-             logging_level="ERROR")
-    # A Serve client cached by an earlier module names that cluster's
-    # controller, which is gone with it: serve.status() would call a dead actor.
-    from ray.serve.context import _set_global_client
-
-    _set_global_client(None)
-    srv = Server(root, free_port(), free_port())
-    cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
-    cfg["http_options"].update(host="127.0.0.1", port=srv.http_port)
-    cfg["grpc_options"]["port"] = srv.grpc_port
-    app = cfg["applications"][0]
-    app["args"].update(target=str(root / MODEL), drafter=str(root / "drafter"), device="cpu",
-                       max_model_len=256, num_kv_blocks=160, kv_block_size=8, max_num_seqs=MAX_NUM_SEQS,
-                       max_queued_requests=MAX_QUEUED, api_key=API_KEY, max_request_bytes=BODY_LIMIT,
-                       request_body_timeout_s=BODY_TIMEOUT)
-    (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    proc = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", str(root / "serve.yaml"),
-                           "--non-blocking"], env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if srv.request("GET", "/health", key=None, timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the app did not come up"
-            time.sleep(0.5)
-        yield srv
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    yield from deploy(tmp_path_factory)
 
 
 def test_checked_in_stubs_match_the_proto(tmp_path):
@@ -345,7 +210,7 @@ def test_min_tokens_over_http_and_grpc(server):
     got = held.model_extra["token_ids"]
     assert len(got) > k + 3 or held.finish_reason == "length"
     assert stop not in got[: k + 3] and (held.finish_reason == "length" or got.index(stop) == len(got) - 1)
-    channel, stub = _grpc_stub(server)
+    channel, stub = grpc_stub(server)
     with channel:
         msgs = list(stub.Generate(pb.GenerateRequest(model=MODEL, prompt=kw["prompt"], params=pb.SamplingParams(
             max_tokens=16, temperature=0, stop_token_ids=[stop], ignore_eos=True, min_tokens=k + 3)),
@@ -370,7 +235,7 @@ def test_penalties_over_http_and_grpc(server):
     want = LLM(server.root / MODEL, server.root / "drafter").generate(prompt, SamplingParams(
         max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, **pen))[0]
     assert ids == want.token_ids != free.choices[0].model_extra["token_ids"]
-    channel, stub = _grpc_stub(server)
+    channel, stub = grpc_stub(server)
     with channel:
         msgs = list(stub.Generate(pb.GenerateRequest(model=MODEL, prompt=prompt, params=pb.SamplingParams(
             max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, **pen)),
@@ -604,7 +469,7 @@ def test_values_that_once_failed_a_step_or_a_client(server):
     assert again.choices[0].finish_reason in ("stop", "length")
     # gRPC: the request id names the client's stream; two clients choosing
     # the same one at once both get served
-    channel, stub = _grpc_stub(server)
+    channel, stub = grpc_stub(server)
     with channel:
         md = [("authorization", f"Bearer {API_KEY}")]
         make = lambda: stub.Generate(pb.GenerateRequest(prompt="Hello", request_id="dup", params=pb.SamplingParams(  # noqa: E731
@@ -617,326 +482,3 @@ def test_values_that_once_failed_a_step_or_a_client(server):
         client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
             {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
                                                                  "function": {"name": "f", "arguments": "{}"}}]}])
-
-
-def _grpc_stub(server):
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    return channel, pb_grpc.SpecRayStub(channel)
-
-
-def test_grpc_streams_the_same_tokens_as_http(server):
-    channel, stub = _grpc_stub(server)
-    md = [("authorization", f"Bearer {API_KEY}")]
-    with channel:
-        models = stub.ListModels(pb.ListModelsRequest(), metadata=md)
-        assert [m.id for m in models.models] == [MODEL] and models.models[0].speculative
-        for prompt in ("Speculative decoding drafts", "Hello world"):
-            http = server.client().completions.create(
-                model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body={"return_token_ids": True})
-            msgs = list(stub.Generate(pb.GenerateRequest(
-                model=MODEL, prompt=prompt, params=pb.SamplingParams(max_tokens=20, temperature=0)), metadata=md))
-            assert sum((list(m.token_ids) for m in msgs), []) == http.choices[0].model_extra["token_ids"]
-            assert "".join(m.text for m in msgs) == http.choices[0].text
-            last = msgs[-1]
-            assert last.finished and not any(m.finished for m in msgs[:-1])
-            assert last.finish_reason == http.choices[0].finish_reason
-            assert last.usage.completion_tokens == http.usage.completion_tokens
-            assert list(last.stats.acceptance_lengths) == http.model_extra["specray"]["acceptance_lengths"]
-        # chat over gRPC == chat over HTTP
-        q = "What is the capital of France?"
-        http = server.client().chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=10, temperature=0)
-        req = pb.GenerateRequest(params=pb.SamplingParams(max_tokens=10, temperature=0))
-        req.messages.messages.add(role="user", content=q)
-        assert "".join(m.text for m in stub.Generate(req, metadata=md)) == http.choices[0].message.content
-        # log probabilities: HTTP's figures, an entry per token id of each message
-        http = server.client().completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
-                                                  logprobs=2, extra_body={"ignore_eos": True})
-        msgs = list(stub.Generate(pb.GenerateRequest(prompt="Hello world", params=pb.SamplingParams(
-            max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)), metadata=md))
-        assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
-        entries = [e for m in msgs for e in m.logprobs]
-        assert [e.logprob for e in entries] == pytest.approx(http.choices[0].logprobs.token_logprobs, abs=1e-5)
-        assert all(len(e.top) == 2 and e.top[0].token_id == e.token_id for e in entries)
-        plain = list(stub.Generate(pb.GenerateRequest(prompt="Hello world", params=pb.SamplingParams(max_tokens=3)),
-                                   metadata=md))
-        assert not any(m.logprobs for m in plain)
-        # errors map to gRPC codes
-        for metadata, request, code in [
-            ([("authorization", "Bearer nope")], pb.GenerateRequest(prompt="x"), grpc.StatusCode.UNAUTHENTICATED),
-            ([], pb.GenerateRequest(prompt="x"), grpc.StatusCode.UNAUTHENTICATED),
-            (md, pb.GenerateRequest(prompt="x", params=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
-            (md, pb.GenerateRequest(prompt="x", params=pb.SamplingParams(logprobs=21)),
-             grpc.StatusCode.INVALID_ARGUMENT),
-            (md, pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
-            (md, pb.GenerateRequest(model="nope", prompt="x"), grpc.StatusCode.NOT_FOUND),
-        ]:
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(request, metadata=metadata))
-            assert e.value.code() == code, (request, e.value.details())
-        with pytest.raises(grpc.RpcError) as e:
-            stub.ListModels(pb.ListModelsRequest())
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-
-def test_grpc_request_size_is_bounded_like_http(server):
-    """Serve's gRPC proxy takes messages up to 2 GB, and max_request_bytes
-    bounded HTTP bodies only: a 1 MB request_id came back in every message,
-    and a prompt of millions of ids travelled whole to the engine, which
-    took seconds to refuse it. Too large a request gets RESOURCE_EXHAUSTED
-    (gRPC's code for an oversized message; HTTP's 413), and a prompt that its
-    length alone rules out is refused before it reaches the engine."""
-    md = [("authorization", f"Bearer {API_KEY}")]
-    server.wait_idle()
-    submits = server.stats()["calls"]["submit"]
-    channel, stub = _grpc_stub(server)
-    with channel:
-        for request, code in [
-            (pb.GenerateRequest(prompt="Hello", request_id="x" * BODY_LIMIT, params=pb.SamplingParams(max_tokens=2)),
-             grpc.StatusCode.RESOURCE_EXHAUSTED),
-            (pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(max_tokens=2, stop=["y" * BODY_LIMIT])),
-             grpc.StatusCode.RESOURCE_EXHAUSTED),
-            (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 300_000)), grpc.StatusCode.INVALID_ARGUMENT),
-            (pb.GenerateRequest(prompt="a " * 300_000), grpc.StatusCode.INVALID_ARGUMENT),
-        ]:
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(request, metadata=md))
-            assert e.value.code() == code, e.value.details()[:200]
-            assert str(BODY_LIMIT) in e.value.details() or "256" in e.value.details(), e.value.details()[:200]
-    status, _, body = server.request("POST", "/v1/completions", {"prompt": [5] * 300_000, "max_tokens": 2})
-    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-    assert server.stats()["calls"]["submit"] == submits  # none of them reached the engine
-
-
-def test_grpc_example_client(server):
-    env = dict(os.environ, SPECRAY_API_KEY=API_KEY)
-    out = subprocess.run([sys.executable, str(REPO / "examples/grpc_client.py"), "Hello world", "--port",
-                          str(server.grpc_port), "--max-tokens", "8"], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "finish_reason=" in out.stdout and "mean_acceptance_length=" in out.stdout
-
-
-def test_16_concurrent_streams_match_in_process_llm(server):
-    server.wait_idle()
-    n_tokens = 24
-    want = LLM(server.root / MODEL, server.root / "drafter").generate(
-        PROMPTS, SamplingParams(max_tokens=n_tokens, temperature=0))
-
-    async def one(client, prompt):
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n_tokens, temperature=0,
-                                                 stream=True, extra_body={"return_token_ids": True})
-        text, ids, reasons = "", [], []
-        async for chunk in stream:
-            c = chunk.choices[0]
-            text += c.text
-            ids += c.model_extra.get("token_ids", [])
-            reasons.append(c.finish_reason)
-        return text, ids, reasons
-
-    async def run():
-        client = server.client(async_=True)
-        try:
-            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
-        finally:
-            await client.close()
-
-    assert len(PROMPTS) == 16
-    got = asyncio.run(run())
-    for (text, ids, reasons), ref in zip(got, want):
-        assert ids == ref.token_ids and text == ref.text
-        assert reasons[-1] == ref.finish_reason and all(r is None for r in reasons[:-1])
-    st = server.wait_idle()
-    assert all(free == cap for free, cap in st["pools"].values())
-
-
-def test_disconnect_mid_stream_aborts_and_frees_kv(server):
-    server.wait_idle()
-    before = server.stats()
-    # The requests to be cut off sample: greedy ones may take prompt-lookup
-    # drafts, which on this random model's repetitive output can finish in a
-    # few steps, before the disconnect arrives.
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "temperature": 0.8, "seed": 1,
-            "stream": True, "ignore_eos": True}
-
-    async def survivor():
-        client = server.client(async_=True)
-        try:
-            stream = await client.completions.create(model=MODEL, prompt="Paris is", max_tokens=40, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
-            return "".join([c.choices[0].text async for c in stream])
-        finally:
-            await client.close()
-
-    async def drop_http():
-        other = asyncio.ensure_future(survivor())  # shares the engine (and its output pump)
-        reader, writer = await open_stream(server.http_port, body)
-        for _ in range(3):
-            await reader.readline()
-        during = await asyncio.to_thread(server.stats)
-        writer.transport.abort()  # the client vanishes mid-stream
-        return during, await other
-
-    during, survived = asyncio.run(drop_http())
-    alone = server.client().completions.create(model=MODEL, prompt="Paris is", max_tokens=40, temperature=0,
-                                               extra_body={"ignore_eos": True})
-    assert survived == alone.choices[0].text  # the other stream was not disturbed
-    assert during["running"] + during["waiting"] >= 1 and during["in_flight"] >= 1
-    assert min(free for free, _ in during["pools"].values()) < max(cap for _, cap in during["pools"].values())
-    after = server.wait_idle()
-    assert after["in_flight"] == 0 and after["num_unfinished"] == 0
-    assert all(free == cap for free, cap in after["pools"].values()), after["pools"]
-    assert after["calls"]["abort"] > before["calls"]["abort"]  # aborted, not run to the end
-    assert after["num_steps"] - before["num_steps"] < 150
-
-    # A gRPC client cancelling mid-stream does the same. Cancelled at the
-    # first message, several times: a cancel that lands while Serve's proxy
-    # writes to the client is the case specray.serve.proxy_cancel covers
-    # (without it about 1 in 15 of these ran to the end).
-    channel, stub = _grpc_stub(server)
-    with channel:
-        for seed in range(6):
-            call = stub.Generate(pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(
-                max_tokens=240, temperature=0.8, seed=seed, ignore_eos=True)),
-                metadata=[("authorization", f"Bearer {API_KEY}")])
-            next(call)
-            call.cancel()
-            after2 = server.wait_idle()
-            assert after2["in_flight"] == 0 and all(free == cap for free, cap in after2["pools"].values())
-            assert after2["calls"]["abort"] > after["calls"]["abort"], seed
-            assert after2["num_steps"] - after["num_steps"] < 150, seed
-            after = after2
-
-
-def test_proxy_cancels_the_call_of_a_request_that_ended_mid_stream(monkeypatch):
-    """The race in specray.serve.proxy_cancel without a cluster: the proxy's
-    task is cancelled while it is not reading the replica's stream (it was
-    writing to the client). Serve's own class leaves the replica call
-    running; the installed one cancels it, and only when the stream was not
-    read to its end."""
-    from ray.serve._private import proxy
-    from ray.serve.handle import DeploymentResponseGenerator
-
-    from specray.serve import proxy_cancel
-
-    class FakeReplicaStream(DeploymentResponseGenerator):
-        def __init__(self):
-            self.sent, self.cancels = 0, 0
-
-        def cancel(self):
-            self.cancels += 1
-
-        def cancelled(self):
-            return self.cancels > 0
-
-        async def __anext__(self):
-            if self.sent == 3:
-                raise StopAsyncIteration
-            self.sent += 1
-            return self.sent
-
-    async def proxy_task(cls, read_all: bool):
-        stream = FakeReplicaStream()
-
-        async def handler():
-            gen = cls(stream)
-            if read_all:
-                return [x async for x in gen]
-            await gen.__anext__()
-            await asyncio.Event().wait()  # writing to a client that is gone
-
-        task = asyncio.ensure_future(handler())
-        await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await asyncio.sleep(0)  # done callbacks run
-        return stream
-
-    monkeypatch.setattr(proxy, "ProxyResponseGenerator", proxy.ProxyResponseGenerator)
-    serves_own = proxy.ProxyResponseGenerator
-    assert asyncio.run(proxy_task(serves_own, read_all=False)).cancels == 0  # the race, unpatched
-    assert proxy_cancel.install()
-    assert proxy_cancel.install()  # idempotent: one subclass, not a chain
-    patched = proxy.ProxyResponseGenerator
-    assert patched is not serves_own and patched.__mro__[1] is serves_own
-    assert asyncio.run(proxy_task(patched, read_all=False)).cancels == 1
-    finished = asyncio.run(proxy_task(patched, read_all=True))
-    assert finished.sent == 3 and finished.cancels == 0
-
-
-def test_over_limit_gets_429_then_recovers(server):
-    server.wait_idle()
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-
-    async def saturate():
-        # LIMIT streams: MAX_NUM_SEQS run, the rest wait in the engine's queue
-        # (their response has not started: it starts with the first token).
-        streams = await asyncio.gather(*(open_stream(server.http_port, body, first_event=False)
-                                         for _ in range(LIMIT)))
-        try:
-            deadline = time.monotonic() + 60
-            while (st := await asyncio.to_thread(server.stats))["in_flight"] < LIMIT:
-                assert time.monotonic() < deadline, st
-                await asyncio.sleep(0.1)
-            assert st["in_flight"] == LIMIT and st["max_in_flight"] == LIMIT
-            results = [await asyncio.to_thread(server.request, "POST", "/v1/completions",
-                                               {"model": MODEL, "prompt": "x", "max_tokens": 2})
-                       for _ in range(3)]
-            chat = await asyncio.to_thread(server.request, "POST", "/v1/chat/completions",
-                                           {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
-            channel, stub = _grpc_stub(server)
-            with channel:
-                try:
-                    list(stub.Generate(pb.GenerateRequest(prompt="x"),
-                                       metadata=[("authorization", f"Bearer {API_KEY}")]))
-                    grpc_code = grpc.StatusCode.OK
-                except grpc.RpcError as e:
-                    grpc_code = e.code()
-            def openai_call():
-                try:
-                    server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
-                except openai.RateLimitError as e:
-                    return e
-            assert isinstance(await asyncio.to_thread(openai_call), openai.RateLimitError)
-            health = await asyncio.to_thread(server.request, "GET", "/health", None, None)
-            models = await asyncio.to_thread(server.request, "GET", "/v1/models")
-            return results + [chat], grpc_code, health, models
-        finally:
-            for _, writer in streams:
-                writer.transport.abort()
-
-    before = server.stats()
-    rejected, grpc_code, health, models = asyncio.run(saturate())
-    for status, headers, payload in rejected:
-        assert status == 429 and int(headers["Retry-After"]) >= 0
-        assert payload["error"]["code"] == "rate_limit_exceeded"
-    assert grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert health[0] == 200 and models[0] == 200  # cheap routes still answer under load
-    # every client left (the queued ones before their first byte): all aborted and freed
-    st = server.wait_idle()
-    assert st["in_flight"] == 0 and st["waiting"] == 0 and all(free == cap for free, cap in st["pools"].values())
-    assert st["calls"]["abort"] - before["calls"]["abort"] == LIMIT
-    assert st["num_steps"] - before["num_steps"] < 150  # nobody ran to its 200 tokens
-    # once the load is gone, requests go through again
-    out = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
-    assert out.usage.completion_tokens >= 1
-
-
-def test_metrics_exported(server):
-    """The specray_* metrics reach Ray's Prometheus endpoint on the node."""
-    node = next(n for n in ray.nodes() if n["Alive"])
-    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
-    import urllib.request
-
-    names = ("specray_requests", "specray_time_to_first_token_seconds", "specray_spec_decode_num_draft_tokens",
-             "specray_spec_decode_num_accepted_tokens_per_pos", "specray_num_requests_running",
-             'endpoint="completions"', 'status="429"', 'position="0"')
-    deadline = time.monotonic() + 60
-    while True:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        missing = [n for n in names if n not in text]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert not missing, (missing, [line for line in text.splitlines() if "specray" in line][:40])
