@@ -314,13 +314,16 @@ class AsyncEngine:
         deadline = None if timeout is None else time.monotonic() + timeout + _TIMEOUT_GRACE_S
         try:
             item = (prompt, params or SamplingParams(), rid) + ((timeout,) if timeout is not None else ())
+            # The output pump polls while the request is submitted: a pump
+            # started after the submit's answer (an idle engine's first
+            # request) added its own start and a poll's trip to the first token.
+            self._ensure_pump()
             epoch, errors = await self.core.asubmit([item])
             err = errors[0]
             if err is not None:
                 finished = True
                 raise err
             self._epochs[rid] = epoch
-            self._ensure_pump()
             held = None  # an error met while taking queued outputs: the next item
             while True:
                 try:
