@@ -19,7 +19,6 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 grpc = pytest.importorskip("grpc")
 
-
 from specray import LLM, SamplingParams  # noqa: E402
 from specray.serve import specray_pb2 as pb  # noqa: E402
 
