@@ -214,6 +214,8 @@ async def inprocess_request(engine, params, job: Job, request_timeout_s: float =
     client times a stream (an output that brings tokens = a chunk)."""
     import dataclasses
 
+    from specray.request import engine_times
+
     r = RequestResult(job.id)
     r.start = time.perf_counter()
     deadline = r.start + request_timeout_s
@@ -231,9 +233,7 @@ async def inprocess_request(engine, params, job: Job, request_timeout_s: float =
             if out.finished:
                 r.finish_reason = out.finish_reason
                 r.acceptance_lengths = list(out.metrics.acceptance_lengths)
-                m = out.metrics
-                r.engine_times = {"arrival": m.arrival_time, "first_token": m.first_token_time,
-                                  "finished": m.finished_time}
+                r.engine_times = engine_times([out])  # what an HTTP response's last chunk carries
                 if out.finish_reason not in ("stop", "length"):
                     r.error = f"finished with {out.finish_reason}: {(out.error or '')[-300:]}"
                 break

@@ -91,6 +91,20 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
 
 
+def engine_times(outs: list[RequestOutput]) -> dict | None:
+    """When the engine took the request, sent its first token and ended
+    it: seconds of CLOCK_MONOTONIC on the engine's host (``time.monotonic``),
+    so a client on that host can tell its transport's time from the
+    engine's (``specray bench serve``; the ``specray`` field of a
+    response carries them); None until it ends."""
+    m = [o.metrics for o in outs]
+    if not m or any(x.finished_time is None for x in m):
+        return None
+    firsts = [x.first_token_time for x in m if x.first_token_time is not None]
+    return {"arrival": min(x.arrival_time for x in m), "first_token": min(firsts) if firsts else None,
+            "finished": max(x.finished_time for x in m)}
+
+
 def take_queued(out: RequestOutput, queue) -> tuple[RequestOutput, BaseException | None]:
     """``out`` merged with the outputs of its request already waiting in the
     asyncio ``queue`` (a stream that fell behind sends them as one), and an

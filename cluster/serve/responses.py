@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from specray.request import RequestOutput, TokenLogprobs
+from specray.request import RequestOutput, TokenLogprobs, engine_times
 from specray.serve.errors import output_error
 
 
@@ -41,19 +41,6 @@ def spec_stats(outs: list[RequestOutput]) -> dict:
         "ttft_s": round(min(ttfts), 6) if ttfts else None,
         "engine_times": engine_times(outs),
     }
-
-
-def engine_times(outs: list[RequestOutput]) -> dict | None:
-    """When the engine took the request, sent its first token and ended
-    it: seconds of CLOCK_MONOTONIC on the engine's host (``time.monotonic``),
-    so a client on that host can tell its transport's time from the
-    engine's (``specray bench serve``); None until it ends."""
-    m = [o.metrics for o in outs]
-    if not m or any(x.finished_time is None for x in m):
-        return None
-    firsts = [x.first_token_time for x in m if x.first_token_time is not None]
-    return {"arrival": min(x.arrival_time for x in m), "first_token": min(firsts) if firsts else None,
-            "finished": max(x.finished_time for x in m)}
 
 
 def _response(rid: str, model: str, obj: str, choices: list[dict], outs: list[RequestOutput],
