@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from test_kernels import _patch_interpreter
+from kernel_helpers import _patch_interpreter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 gpu = pytest.mark.gpu

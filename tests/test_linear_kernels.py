@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from test_fused_kernels import DTYPES, INTERP, _cuda, gpu, interp
-from test_kernels import _patch_interpreter
+from kernel_helpers import _patch_interpreter
 
 
 def _modules():
