@@ -57,7 +57,8 @@ from specray.sampling import verify
 
 def build_step_graphs(target, drafter, cfg: StepSettings, *, family: object, sampling: str = "greedy",
                       shared: dict[str, torch.Tensor] | None = None, tree: TreeUniverse | None = None,
-                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None) -> DecodeGraphs:
+                      remote=None, tp=None, speculate: bool = True, block_size: int | None = None,
+                      context: bool = True) -> DecodeGraphs:
     """``DecodeGraphs`` of the whole step for ``target`` (rank 0's
     TargetWorker) and ``drafter`` (a DrafterWorker in this process, or None:
     autoregressive, or the drafter is ``remote``). Inputs: ``start`` and
@@ -94,10 +95,13 @@ def build_step_graphs(target, drafter, cfg: StepSettings, *, family: object, sam
     ``speculate=False``: an autoregressive step of a speculative engine
     (spec_policy.py): one row a request, no proposal, and the row's context
     stored (a remote drafter is sent the row, as after any step), so the
-    next speculative step finds it. ``block_size`` (no tree): a shorter
+    next speculative step finds it; with ``context=False`` as well (a
+    resting drafter, cluster/drafter_rest.py), the autoregressive engine's
+    own step: no taps, no context store. ``block_size`` (no tree): a shorter
     chain than ``cfg``'s, the drafter's block of that many rows.
     ``family``: the capture stream's (``graphs.capture_stream``): each
     lane's graphs their own, apart from the target's."""
+    assert context or (not speculate and remote is None), "only a local drafter rests, on autoregressive steps"
     dev = target.device
     local = drafter is not None
     speculative = local or remote is not None
@@ -113,7 +117,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, *, family: object, sam
     bufs = state_buffers(cfg, dev, sampling, draft_tables=local, history=local and cfg.lookup is not None,
                          shared=shared, oracle=oracle is not None)
     query_start_loc = torch.arange(0, cfg.max_seqs * B + 1, B, dtype=torch.int64, device=dev)
-    taps = target.tap_layer_ids if speculative else ()
+    taps = target.tap_layer_ids if speculative and context else ()
     use_tree = tree is not None and speculative and speculate
     bounds = drafted_bounds(B, target.spec.vocab_size, use_tree, dev) if remote is not None else None
 
@@ -133,7 +137,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, *, family: object, sam
     def step(n: int):
         start, last, real, budget = bufs["start"][:n], bufs["last"][:n], bufs["real"][:n], bufs["budget"][:n]
         tables = bufs["target_tables"][:n]
-        d_tables = bufs["draft_tables"][:n] if local else None
+        d_tables = bufs["draft_tables"][:n] if local and context else None
         # A row within a block of its emit budget (max_tokens, max_model_len)
         # verifies a shorter block, which the drafter sees too (its block
         # attends both ways).
@@ -183,7 +187,7 @@ def build_step_graphs(target, drafter, cfg: StepSettings, *, family: object, sam
         history, history_rows = (bufs["history"], bufs["slot"][:n]) if "history" in bufs else (None, None)
         out, context_slots = accept_advance(target_argmax, num_accepted, bonus, drafts, blk.block_len, looked_up,
                                             blk.draft_slots, start, last, budget, real, history, history_rows)
-        if local:
+        if local and context:
             if row_kept is not None:  # each kept row's context goes to its depth's slot
                 context_slots = torch.where(row_kept, blk.draft_slots.gather(1, drafted.row_offsets()), 0)
             with drafter_part("its context store"):

@@ -97,6 +97,9 @@ def step_counters(engine) -> dict:
         snap = engine.policy.snapshot()
         out |= {"speculative_steps": snap["speculative_steps"], "autoregressive_steps": snap["autoregressive_steps"],
                 "measured": snap["measured"]}
+        rest = engine.rest.snapshot()  # the resting drafter (drafter_rest.py)
+        out |= {"rests": rest["rests"], "rest_probe_steps": rest["probe_steps"],
+                "refilled_tokens": rest["refilled_tokens"], "wakes": engine.chain_breaks["the drafter wakes"]}
     return out
 
 
@@ -115,6 +118,8 @@ def step_summary(engine, before: dict, secs: float) -> dict:
            "chain_joins": d["chain_joins"]}  # requests that joined a running chain (chain_admit.py)
     if "speculative_steps" in d:
         out |= {"speculative_steps": d["speculative_steps"], "autoregressive_steps": d["autoregressive_steps"],
+                "rests": d["rests"], "rest_probe_steps": d["rest_probe_steps"], "wakes": d["wakes"],
+                "refilled_tokens": d["refilled_tokens"],
                 "policy_step_ms": engine.policy.snapshot()["step_ms"],
                 "policy_measured": measured_summary(before["measured"], after["measured"])}
     out["cycles"] = cycle_summary(before["cycles"], after["cycles"])

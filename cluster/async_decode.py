@@ -39,6 +39,7 @@ from specray.faults import drafter_part, fail_request, format_error
 from specray.request import Request, RequestOutput
 from specray.chain_admit import may_join
 from specray.chain_rows import HISTORY_UPLOADS, batch_mode, first_inputs, join_rows, write_history
+from specray.drafter_rest import refill_context
 
 
 @dataclass
@@ -57,6 +58,8 @@ class InflightStep:
     mode: str = "greedy"
     accepted: list[tuple[int, int]] | None = None  # a speculative step's, once applied: per live row (accepted, verified)
     captured: bool = False  # its launch captured its graph (its wait may include the drafter's capture)
+    context: bool = True  # False: a resting drafter's step, no context stored (drafter_rest.py)
+    rested: bool = False  # a speculative step of a resting drafter's (a probe): its acceptance is not the drafter's
 
     def gpu_seconds(self) -> float:
         if isinstance(self.timing, tuple):
@@ -101,8 +104,9 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
     full = core.block_size - 1
     drafts = full if drafts is None else drafts
     spec, block = drafts > 0 or full == 0, (drafts + 1 if 0 < drafts < full else None)
-    new_kind = not core.has_step_graphs(mode, lane, spec, block)
-    graphs = core.step_graphs(mode, lane, spec, block)
+    context = spec or not core.rest.resting
+    new_kind = not core.has_step_graphs(mode, lane, spec, block, context)
+    graphs = core.step_graphs(mode, lane, spec, block, context)
     dev = core.device
     inputs, uploads = {}, None
     if not chained:
@@ -152,11 +156,13 @@ def _launch(core, requests, chained, first_tokens, lane, drafts, joined=()) -> I
     else:
         results, ready = out.clone(), None
     return InflightStep(list(requests), results, ready, lane, timing, drafts, graphs.padded(len(requests)),
-                        mode, captured=fresh)
+                        mode, captured=fresh, context=context, rested=spec and core.rest.resting)
 
 
-def _graphs_key(sampling: str, lane: int, spec: bool, block: int | None = None) -> tuple:
-    return (sampling, lane, "ar") if not spec else (sampling, lane, block) if block else (sampling, lane)
+def _graphs_key(sampling: str, lane: int, spec: bool, block: int | None = None, context: bool = True) -> tuple:
+    if not spec:
+        return (sampling, lane, "ar") if context else (sampling, lane, "ar", "rest")
+    return (sampling, lane, block) if block else (sampling, lane)
 
 
 class AsyncSteps:
@@ -205,15 +211,17 @@ class AsyncSteps:
         return not (self.config.prompt_lookup_min and self.config.prompt_lookup_sampled and
                     not all(r.params.greedy for r in requests))
 
-    def step_graphs(self, sampling: str, lane: int = 0, spec: bool = True, block: int | None = None):
+    def step_graphs(self, sampling: str, lane: int = 0, spec: bool = True, block: int | None = None,
+                    context: bool = True):
         """Rank 0's whole-step graphs, for batches whose ``sampling`` is
         "greedy", "sampled" or "filtered" (a drafter or TP followers in other
         processes replay their halves: actors/step_peers.py), of micro-batch
         ``lane``: each lane has its state, its graphs and their memory; the
         token history is one (its rows are the requests'). ``spec=False``:
-        the autoregressive steps of a speculative engine; ``block``: a
-        shorter chain's rows a request (``shorter_drafts``)."""
-        key = _graphs_key(sampling, lane, spec, block)
+        the autoregressive steps of a speculative engine (``context=False``:
+        its resting drafter's, drafter_rest.py); ``block``: a shorter
+        chain's rows a request (``shorter_drafts``)."""
+        key = _graphs_key(sampling, lane, spec, block, context)
         if key not in self._step_graphs:
             from specray.actors.step_graph import build_step_graphs
             from specray.actors.step_parts import StepSettings
@@ -229,14 +237,15 @@ class AsyncSteps:
                 target, local, settings, sampling=sampling, shared=shared,
                 tree=None if block else self.tree,
                 remote=getattr(self.drafter, "step_link", None), tp=getattr(self.target, "tp_link", None),
-                speculate=spec, block_size=block, family=("step", lane),
+                speculate=spec, block_size=block, family=("step", lane), context=context,
             )
             if self.config.capture_all_batch_sizes and not self._peers():
                 self._step_graphs[key].capture_all()
         return self._step_graphs[key]
 
-    def has_step_graphs(self, sampling: str, lane: int = 0, spec: bool = True, block: int | None = None) -> bool:
-        return _graphs_key(sampling, lane, spec, block) in self._step_graphs
+    def has_step_graphs(self, sampling: str, lane: int = 0, spec: bool = True, block: int | None = None,
+                        context: bool = True) -> bool:
+        return _graphs_key(sampling, lane, spec, block, context) in self._step_graphs
 
     # ------------------------------------------------- micro-batch lanes
     def _overlap_unsupported(self) -> str | None:
@@ -294,7 +303,15 @@ class AsyncSteps:
 
         padded = padded_size(len(requests), self.config.max_num_seqs)
         kind = "greedy" if all(r.params.greedy for r in requests) else "sampled"
-        return self.policy.choose(padded, kind)
+        drafts = self.policy.choose(padded, kind)
+        return self.rest.steer(drafts, self.policy.exploring)
+
+    def _wake_drafter(self) -> None:
+        """Before the step after a drained chain: what a resting drafter
+        skipped, every running request's (drafter_rest.py)."""
+        target = getattr(self.target, "worker", self.target)
+        self.rest.refilled_tokens += refill_context(target, self.drafter, self.scheduler.running)
+        self.rest.woke()
 
     def _observe_cycle(self, now: float) -> None:
         """What the policy learns from the last ``step()`` call, when the
@@ -329,6 +346,15 @@ class AsyncSteps:
             return "turned off (adaptive_speculation=False)"
         if self._async_unsupported() is not None:
             return "needs async_scheduling"
+        return None
+
+    def _rest_unsupported(self) -> str | None:
+        if self.policy is None:
+            return "needs adaptive_speculation"
+        if not self.config.drafter_rest:
+            return "turned off (drafter_rest=False)"
+        if self.drafter_apart() or getattr(self.target, "tp_link", None) is not None:
+            return "a drafter in this process and a target at TP 1 only"
         return None
 
     def _shorter_drafts(self) -> tuple[int, ...]:
@@ -396,6 +422,8 @@ class AsyncSteps:
         verify blocks ahead."""
         sched, B = self.scheduler, self.block_size
         self._join_next = 0
+        if self.rest.waking:
+            return self._drain("the drafter wakes")
         live = [r for r in requests if not r.finished]
         if not live or len(sched.running) != len(live):
             return self._drain("rows changed")
@@ -451,12 +479,14 @@ class AsyncSteps:
         # The block the graph verified, cut as the scheduler cuts it from
         # the host's view when the step was launched (it is now).
         verified = [min(self.scheduler.block_len(r) - 1, step.drafts) for r in step.requests]
-        if step.drafts:
+        if step.drafts and not step.rested:
             step.accepted = [(row[0], g) for r, row, g in zip(step.requests, rows, verified) if not r.finished]
         for r, (a, bonus, looked_up, drafts), num_drafts in zip(step.requests, rows, verified):
             if r.finished:
                 continue
             r.metrics.num_lookup_steps += looked_up
+            if not step.context and r.context_gap_from is None:
+                r.context_gap_from = r.num_computed
             try:
                 # Chained, the room _can_chain reserves (two blocks ahead) stays:
                 # trimmed back to one, a row freed a block and took one again

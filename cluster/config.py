@@ -154,6 +154,10 @@ class EngineConfig:
     # halved while it keeps this many rows (16 -> 8, 4; the block size: off):
     # the later drafts are the ones rejected.
     shortest_verify_block: int = 4
+    # While the policy keeps choosing autoregressive steps, run the
+    # autoregressive engine's own step and rebuild the drafter's context
+    # when speculation resumes (drafter_rest.py).
+    drafter_rest: bool = True
     # A drafter in another process that does not answer a message within
     # this many seconds is taken for lost: steps go on without it and a new
     # one is started (faults.py).

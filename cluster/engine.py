@@ -43,6 +43,7 @@ from specray.sampling import SamplingParams, SamplingTensors
 from specray.staging import host_to_device, int64_tensor
 from specray.step_buffers import HistorySlots, ResultBuffers
 from specray.scheduler import Scheduler
+from specray.drafter_rest import DrafterRest
 from specray.spec_policy import SpecPolicy, scripted, step_key
 from specray.step_wait import result_wait
 from specray.step_batch import StepBatches
@@ -132,6 +133,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         self.tree = self._tree_universe()
         self.policy = SpecPolicy(self.block_size, self._shorter_drafts(), tree=self.tree is not None) \
             if self._adaptive_unsupported() is None else None
+        self.rest = DrafterRest(supported=self._rest_unsupported() is None)
         if self.policy is not None and (config.extra or {}).get("policy_turns"):
             self.policy.choose = scripted(self.policy, config.extra["policy_turns"])
         self._cycle: tuple | None = None  # (start, the steps applied in it) of the last async step() call
@@ -176,6 +178,8 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
         t0 = time.perf_counter()
         self._observe_cycle(t0)
         if not self._inflight:
+            if self.rest.waking:
+                self._wake_drafter()
             plan = self._shape_admission(self.scheduler.schedule())
             if not self._async_eligible(plan):
                 return self._sync_step(plan, t0)
@@ -386,6 +390,7 @@ class EngineCore(RequestIntake, StepBatches, VerifyRows, SyncAccept, AsyncSteps,
             out["adaptive_speculation"] = feature(self.policy is not None, self._adaptive_unsupported())
             if self.policy is not None:  # the draft counts a step may verify (0: autoregressive)
                 out["adaptive_speculation"]["drafts"] = list(self.policy.options)
+            out["drafter_rest"] = feature(self.rest.supported, self._rest_unsupported())
         out["overlap"] = feature(self._overlap_unsupported() is None, self._overlap_unsupported())
         if out["overlap"]["on"]:
             out["overlap"]["min_batch"] = self.config.overlap_min_batch

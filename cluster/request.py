@@ -170,6 +170,9 @@ class Request:
     # tokens that row holds for sure (step_buffers.HistorySlots).
     history_slot: int | None = None
     history_on_device: int = 0
+    # The first position whose drafter context a resting drafter skipped
+    # (drafter_rest.py); None: stored through num_computed.
+    context_gap_from: int | None = None
     # Detokenizer state (see detokenizer.py).
     text: str = ""
     sent_text_len: int = 0

@@ -106,6 +106,7 @@ class SpecPolicy:
     choices: dict[int, int] = field(default_factory=dict)  # drafts -> steps that verified that many
     held: int = 0  # steps a probe still holds its kind for
     holding: int = 0  # the probe's draft count
+    exploring: bool = False  # the last choice was a probe's step or a kind's first, not a choice by rate
     # The timed steps behind ``cost``: count and seconds, unweighted (what
     # the costs were made of: bench/concurrency_sweep.py reports it
     # beside the cycles' own costs).
@@ -126,10 +127,11 @@ class SpecPolicy:
         (0: an autoregressive step)."""
         if self.held:
             self.held -= 1
-            drafts = self.holding
+            drafts, self.exploring = self.holding, True
         else:
             drafts, probe = self._choose(n_padded, kind)
             self.held, self.holding = (PROBE_STEPS - 1 if probe else 0), drafts
+            self.exploring = probe or (n_padded, drafts) not in self.cost
         for d in self.options:
             self.since[d] = 0 if d == drafts else self.since.get(d, 0) + 1
         self.choices[drafts] = self.choices.get(drafts, 0) + 1
