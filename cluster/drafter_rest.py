@@ -37,8 +37,12 @@ from specray.plan import AttentionMetadata
 
 # Autoregressive steps in a row before the drafter rests: past the policy's
 # probes of autoregressive steps (spec_policy.PROBE_STEPS), so only a
-# stretch it keeps choosing rests the drafter.
+# stretch it keeps choosing rests the drafter. A wake costs a drained chain
+# and a refill: where the policy wakes it soon after a rest (near its
+# break-even point it may swing), the next rest waits twice as long, up
+# to MAX_REST_AFTER; a rest that lasted keeps the wait short.
 REST_AFTER = 32
+MAX_REST_AFTER = 512
 REFILL_TOKENS = 4096  # most tokens one refill forward runs
 
 
@@ -46,6 +50,8 @@ REFILL_TOKENS = 4096  # most tokens one refill forward runs
 class DrafterRest:
     supported: bool
     streak: int = 0  # autoregressive steps chosen in a row
+    rest_after: int = REST_AFTER  # the streak that rests the drafter now
+    rested_steps: int = 0  # steps of the current rest
     resting: bool = False
     waking: bool = False  # a speculative step was chosen while resting: drain, refill, resume
     rests: int = 0  # times the drafter rested
@@ -60,10 +66,11 @@ class DrafterRest:
         (``InflightStep.rested``). A speculative step chosen by its rate
         wakes the drafter: the chain drains first, so until then the step
         is autoregressive."""
+        self.rested_steps += self.resting
         if drafts == 0:
             self.streak += 1
-            if self.supported and not self.resting and self.streak >= REST_AFTER:
-                self.resting, self.rests = True, self.rests + 1
+            if self.supported and not self.resting and self.streak >= self.rest_after:
+                self.resting, self.rests, self.rested_steps = True, self.rests + 1, 0
             return 0
         if self.resting:
             if exploring:
@@ -75,10 +82,14 @@ class DrafterRest:
         return drafts
 
     def woke(self) -> None:
+        short = self.rested_steps < 4 * self.rest_after
+        self.rest_after = min(2 * self.rest_after, MAX_REST_AFTER) if short else REST_AFTER
         self.resting = self.waking = False
+        self.streak = 0
 
     def snapshot(self) -> dict:
-        return {"rests": self.rests, "resting": self.resting, "probe_steps": self.probe_steps,
+        return {"rests": self.rests, "resting": self.resting, "rest_after": self.rest_after,
+                "probe_steps": self.probe_steps,
                 "refilled_tokens": self.refilled_tokens}
 
 

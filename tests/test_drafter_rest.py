@@ -56,6 +56,14 @@ def test_steering():
     assert rest.steer(5) == 0 and rest.waking  # chosen by its rate: speculation resumes after a drained chain
     rest.woke()
     assert rest.steer(5) == 5 and not rest.resting and rest.streak == 0
+    # woken soon after it rested: the next rest waits twice as long
+    assert rest.rest_after == 2 * REST_AFTER
+    [rest.steer(0) for _ in range(2 * REST_AFTER - 1)]
+    assert not rest.resting and rest.steer(0) == 0 and rest.resting
+    [rest.steer(0) for _ in range(8 * REST_AFTER)]  # a rest that lasted
+    rest.steer(5)
+    rest.woke()
+    assert rest.rest_after == REST_AFTER
     never = DrafterRest(supported=False)
     assert [never.steer(0) for _ in range(2 * REST_AFTER)][-1] == 0 and not never.resting
     assert never.steer(5) == 5
