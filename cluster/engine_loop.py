@@ -165,7 +165,8 @@ class EngineLoop:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "features": self.features,
-            "speculation": self.engine.policy.snapshot() if self.engine.policy is not None else None,
+            "speculation": self.engine.policy.snapshot() | {"drafter_rest": self.engine.rest.snapshot()}
+            if self.engine.policy is not None else None,
             # liveness: how long the step now running has run (0: none runs)
             "step_running_s": 0.0 if started is None else time.monotonic() - started,
             "loop": "failed" if self.failure else ("stopped" if self._closed else "running"),
