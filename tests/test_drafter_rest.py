@@ -130,3 +130,30 @@ def test_refused_where_the_drafter_is_apart_or_off(models):
     assert off.features()["drafter_rest"] == {"on": False, "reason": "turned off (drafter_rest=False)"}
     fixed = engine(models, adaptive_speculation=False)
     assert fixed.features()["drafter_rest"]["reason"] == "needs adaptive_speculation"
+
+
+def test_probes_while_resting_keep_tokens_and_stay_out_of_the_acceptance(models):
+    """The policy's probes run on the resting drafter's context, holes and
+    all: no wake, the target's tokens, and their acceptance kept out of the
+    policy's means."""
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    eng = engine(models)
+    turns = iter([0] * (REST_AFTER + 2) + ([BLOCK - 1] * 3 + [0] * 5) * 100)
+    policy = eng.policy
+
+    def choose(n_padded, kind):
+        drafts = next(turns)
+        policy.exploring = drafts > 0  # every speculative turn a probe
+        policy.choices[drafts] = policy.choices.get(drafts, 0) + 1
+        return drafts
+
+    policy.choose = choose
+    add(eng, params)
+    got = finish(eng)
+    assert eng.rest.rests == 1 and eng.rest.probe_steps >= 3 and eng.rest.resting
+    assert eng.chain_breaks["the drafter wakes"] == 0 and eng.rest.refilled_tokens == 0
+    assert policy.survival == {}  # no speculative step's rows reached the policy
+    ar = engine(models, drafter=False)
+    add(ar, params)
+    want = finish(ar)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
