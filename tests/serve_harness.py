@@ -112,9 +112,11 @@ def grpc_stub(server):
     return channel, pb_grpc.SpecRayStub(channel)
 
 
-def deploy(tmp_path_factory):
-    """The application on a fresh loopback Ray cluster: yields a Server,
-    then shuts Serve and Ray down (a module's fixture)."""
+def run_app(tmp_path_factory, name: str, args: dict, attempts: int = 1, timeout: float = 180):
+    """deploy/ray/serve.yaml with ``args`` over its application's, its models
+    tiny random checkpoints, run by `serve run` on a fresh loopback Ray
+    cluster: (checkpoint root, HTTP port, gRPC port). The caller waits for
+    it and shuts Serve and Ray down."""
     import ray
     from ray import serve
 
@@ -124,7 +126,7 @@ def deploy(tmp_path_factory):
     # variable was set), the engine's gloo group, and Serve's gRPC proxy
     # (which Serve would bind to [::]); the actors inherit this environment.
     prepare_local_ray("127.0.0.1")
-    root = tmp_path_factory.mktemp("serve")
+    root = tmp_path_factory.mktemp(name)
     hf = make_target(root / MODEL, seed=2)
     add_tokenizer(root / MODEL, hf.config.vocab_size)
     make_drafter(root / "drafter", hf.config, seed=12, block_size=8)
@@ -136,20 +138,35 @@ def deploy(tmp_path_factory):
     from ray.serve.context import _set_global_client
 
     _set_global_client(None)
-    srv = Server(root, free_port(), free_port())
+    http_port, grpc_port = free_port(), free_port()
     cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
-    cfg["http_options"].update(host="127.0.0.1", port=srv.http_port)
-    cfg["grpc_options"]["port"] = srv.grpc_port
-    app = cfg["applications"][0]
-    app["args"].update(target=str(root / MODEL), drafter=str(root / "drafter"), device="cpu",
-                       max_model_len=256, num_kv_blocks=160, kv_block_size=8, max_num_seqs=MAX_NUM_SEQS,
-                       max_queued_requests=MAX_QUEUED, api_key=API_KEY, max_request_bytes=BODY_LIMIT,
-                       request_body_timeout_s=BODY_TIMEOUT)
+    cfg["http_options"].update(host="127.0.0.1", port=http_port)
+    cfg["grpc_options"]["port"] = grpc_port
+    cfg["applications"][0]["args"].update(target=str(root / MODEL), drafter=str(root / "drafter"), device="cpu",
+                                          **args)
     (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    proc = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", str(root / "serve.yaml"),
-                           "--non-blocking"], env=env, capture_output=True, text=True, timeout=180)
+    for _ in range(attempts):  # on a busy 2-core machine Serve's proxy may miss its 5 s readiness check
+        proc = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", str(root / "serve.yaml"),
+                               "--non-blocking"], env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            break
+        serve.shutdown()
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root, http_port, grpc_port
+
+
+def deploy(tmp_path_factory):
+    """The application on a fresh loopback Ray cluster: yields a Server,
+    then shuts Serve and Ray down (a module's fixture)."""
+    import ray
+    from ray import serve
+
+    root, http_port, grpc_port = run_app(tmp_path_factory, "serve", dict(
+        max_model_len=256, num_kv_blocks=160, kv_block_size=8, max_num_seqs=MAX_NUM_SEQS,
+        max_queued_requests=MAX_QUEUED, api_key=API_KEY, max_request_bytes=BODY_LIMIT,
+        request_body_timeout_s=BODY_TIMEOUT))
+    srv = Server(root, http_port, grpc_port)
     try:
         deadline = time.monotonic() + 180
         while True:

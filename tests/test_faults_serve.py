@@ -18,18 +18,15 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-from factories import add_tokenizer, free_port, make_drafter, make_target  # noqa: E402
+from serve_harness import run_app  # noqa: E402
 
 ray = pytest.importorskip("ray")
 aiohttp = pytest.importorskip("aiohttp")
@@ -40,7 +37,6 @@ from ray import serve  # noqa: E402
 from specray.serve import specray_pb2 as pb  # noqa: E402
 from specray.serve import specray_pb2_grpc as pb_grpc  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 APP, MODEL, KEY = "specray", "tiny-qwen3", "fault-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 QUESTIONS = ["What is the capital of France?", "Hello world, this is", "Speculative decoding drafts",
@@ -50,36 +46,12 @@ BAD_SEED, HANG_SEED = 666, 667
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from specray.serve.loopback import prepare_local_ray
-
-    prepare_local_ray("127.0.0.1")
-    root = tmp_path_factory.mktemp("faults_serve")
-    hf = make_target(root / MODEL, seed=2)
-    add_tokenizer(root / MODEL, hf.config.vocab_size)
-    make_drafter(root / "drafter", hf.config, seed=12, block_size=8)
-    ray.init(address="local", num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
-             logging_level="ERROR")
-    http_port, grpc_port = free_port(), free_port()
-    cfg = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
-    cfg["http_options"].update(host="127.0.0.1", port=http_port)
-    cfg["grpc_options"]["port"] = grpc_port
-    cfg["applications"][0]["args"].update(
-        target=str(root / MODEL), drafter=str(root / "drafter"), device="cpu", tensor_parallel_size=2,
-        drafter_placement="separate", max_model_len=256, num_kv_blocks=200, kv_block_size=8, max_num_seqs=16,
-        max_queued_requests=16, api_key=KEY, stuck_step_s=4.0, health_check_period_s=2.0,
+    _, base, grpc_port = run_app(tmp_path_factory, "faults_serve", dict(
+        tensor_parallel_size=2, drafter_placement="separate", max_model_len=256, num_kv_blocks=200, kv_block_size=8,
+        max_num_seqs=16, max_queued_requests=16, api_key=KEY, stuck_step_s=4.0, health_check_period_s=2.0,
         engine={"drafter_timeout_s": 5.0, "extra": {"fault_injection": [
             {"seed": BAD_SEED, "where": "step"}, {"seed": HANG_SEED, "where": "hang", "hang_s": 600},
-            {"where": "pace_degraded", "step_s": 0.2}]}})
-    (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    for attempt in range(2):  # on a busy 2-core machine Serve's proxy may miss its 5 s readiness check
-        proc = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", str(root / "serve.yaml"),
-                               "--non-blocking"], env=env, capture_output=True, text=True, timeout=240)
-        if proc.returncode == 0:
-            break
-        serve.shutdown()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    base = http_port
+            {"where": "pace_degraded", "step_s": 0.2}]}}), attempts=2, timeout=240)
     try:
         wait_health(base, "ok", 180)
         yield {"base": base, "grpc": grpc_port}
