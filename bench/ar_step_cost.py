@@ -1,0 +1,126 @@
+"""What an autoregressive step of the speculative engine costs against the
+autoregressive engine's, in one run: the adaptive policy is made to choose
+autoregressive steps only, and the same closed-loop workload runs on the AR
+engine, the speculative engine whose drafter rests (the default,
+cluster/drafter_rest.py) and one whose drafter is fed every step
+(``drafter_rest=False``). Per engine and concurrency: tokens/s, the async
+cycles' wall and device ms by kind (``32a``: autoregressive at padded 32),
+host ms per cycle by phase (cluster/phase_timer.py) and, on CUDA, the
+device time per step of each kernel (torch.profiler).
+
+    python bench/ar_step_cost.py --device cuda --concurrency 32 64 --out results/h200_ar_step_cost.json
+
+Prints each engine's tokens/s and its ratio to the AR engine's. On the CPU
+(tests) the async path runs eagerly: the mechanics, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_model_args, write_report  # noqa: E402
+from concurrency_sweep import closed_loop  # noqa: E402
+
+from specray import LLM, SamplingParams  # noqa: E402
+from specray.bench import load_prompts  # noqa: E402
+from specray.phase_timer import PhaseTimer, per_cycle  # noqa: E402
+from specray.spec_policy import SpecPolicy  # noqa: E402
+
+ENGINES = {"ar": None, "spec_rest": {}, "spec_fed": {"drafter_rest": False}}
+
+
+def always_autoregressive(policy: SpecPolicy, n_padded: int, kind: str) -> int:
+    policy.exploring = False
+    policy.choices[0] = policy.choices.get(0, 0) + 1
+    return 0
+
+
+def kernel_ms(prof, steps: int, top: int = 30) -> dict:
+    """Device ms a step of each kernel, the most costly first."""
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0)
+        if t and e.device_type.name == "CUDA":
+            per[e.key[:100]] = round(t / 1000 / steps, 4)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
+
+
+def cycles_since(before: dict, after: dict) -> dict:
+    out = {}
+    for key, (n, wall, gpu, tokens) in after.items():
+        n0, wall0, gpu0, _ = before.get(key, (0, 0.0, 0.0, 0))
+        if n > n0:
+            out[key] = {"n": n - n0, "wall_ms": round(1000 * (wall - wall0) / (n - n0), 4),
+                        "gpu_ms": round(1000 * (gpu - gpu0) / (n - n0), 4)}
+    return out
+
+
+def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
+    eng = llm.engine
+    work = [prompts[(c + j) % len(prompts)] for j in range(4 * c)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    closed_loop(eng, work, params, c)  # graphs captured, kernels compiled
+    before = {k: list(v) for k, v in eng.cycle_costs.items()}
+    outs, secs = closed_loop(eng, work, params, c)
+    point = {"tok_s": round(sum(len(o.token_ids) for o in outs) / secs, 1),
+             "cycles": cycles_since(before, eng.cycle_costs)}
+    timer = PhaseTimer(eng)
+    closed_loop(eng, work, params, c)
+    point["host_ms_per_cycle"] = per_cycle(timer.totals())
+    timer.close()
+    if cuda:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            closed_loop(eng, work[:c], params, c)
+        point["kernel_ms_per_step"] = kernel_ms(prof, eng.loop_steps)
+    if eng.policy is not None:
+        point["drafter_rest"] = eng.rest.snapshot()
+    return point
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, "cuda")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/prompts/eval.jsonl"))
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    from specray.cli import resolve_models
+
+    target, drafter = resolve_models(argparse.Namespace(target=args.target, drafter=args.drafter, no_drafter=False))
+    cuda = args.device.startswith("cuda")
+    common = dict(device=args.device, max_num_seqs=max(args.concurrency), profile_steps=True,
+                  cuda_graphs=True, async_scheduling=True)
+    if cuda:
+        common["gpu_memory_utilization"] = 0.4
+    report = {"command": "python bench/ar_step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "target": target, "drafter": drafter, "device": args.device, "temperature": 1.0,
+              "max_tokens": args.max_tokens, "policy": "forced autoregressive", "engines": {}}
+    for name, settings in ENGINES.items():
+        llm = LLM(target, None if settings is None else drafter, **common, **(settings or {}))
+        if llm.engine.policy is not None:
+            llm.engine.policy.choose = always_autoregressive.__get__(llm.engine.policy)
+        prompts = [q for _, q in load_prompts(args.prompts, llm.tokenizer)]
+        report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda) for c in args.concurrency}
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    report["ratios"] = {name: {c: round(point["tok_s"] / report["engines"]["ar"][c]["tok_s"], 3)
+                               for c, point in points.items()}
+                        for name, points in report["engines"].items() if name != "ar"}
+    for name, ratios in report["ratios"].items():
+        print(f"{name} / ar tok/s: " + ", ".join(f"c={c} {r:.3f}x" for c, r in ratios.items()), flush=True)
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
