@@ -25,20 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_model_args, write_report  # noqa: E402
-from concurrency_sweep import closed_loop  # noqa: E402
+from concurrency_sweep import closed_loop, cycle_summary  # noqa: E402
 
 from specray import LLM, SamplingParams  # noqa: E402
 from specray.bench import load_prompts  # noqa: E402
 from specray.phase_timer import PhaseTimer, per_cycle  # noqa: E402
-from specray.spec_policy import SpecPolicy  # noqa: E402
 
-ENGINES = {"ar": None, "spec_rest": {}, "spec_fed": {"drafter_rest": False}}
-
-
-def always_autoregressive(policy: SpecPolicy, n_padded: int, kind: str) -> int:
-    policy.exploring = False
-    policy.choices[0] = policy.choices.get(0, 0) + 1
-    return 0
+# The speculative engines' policy answers "autoregressive" to every step (spec_policy.scripted).
+ALWAYS_AR = {"extra": {"policy_turns": [0]}}
+ENGINES = {"ar": None, "spec_rest": ALWAYS_AR, "spec_fed": ALWAYS_AR | {"drafter_rest": False}}
 
 
 def kernel_ms(prof, steps: int, top: int = 30) -> dict:
@@ -51,16 +46,6 @@ def kernel_ms(prof, steps: int, top: int = 30) -> dict:
     return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
 
 
-def cycles_since(before: dict, after: dict) -> dict:
-    out = {}
-    for key, (n, wall, gpu, tokens) in after.items():
-        n0, wall0, gpu0, _ = before.get(key, (0, 0.0, 0.0, 0))
-        if n > n0:
-            out[key] = {"n": n - n0, "wall_ms": round(1000 * (wall - wall0) / (n - n0), 4),
-                        "gpu_ms": round(1000 * (gpu - gpu0) / (n - n0), 4)}
-    return out
-
-
 def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
     eng = llm.engine
     work = [prompts[(c + j) % len(prompts)] for j in range(4 * c)]
@@ -69,7 +54,7 @@ def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
     before = {k: list(v) for k, v in eng.cycle_costs.items()}
     outs, secs = closed_loop(eng, work, params, c)
     point = {"tok_s": round(sum(len(o.token_ids) for o in outs) / secs, 1),
-             "cycles": cycles_since(before, eng.cycle_costs)}
+             "cycles": cycle_summary(before, eng.cycle_costs)}
     timer = PhaseTimer(eng)
     closed_loop(eng, work, params, c)
     point["host_ms_per_cycle"] = per_cycle(timer.totals())
@@ -104,8 +89,6 @@ def main(argv=None) -> dict:
               "max_tokens": args.max_tokens, "policy": "forced autoregressive", "engines": {}}
     for name, settings in ENGINES.items():
         llm = LLM(target, None if settings is None else drafter, **common, **(settings or {}))
-        if llm.engine.policy is not None:
-            llm.engine.policy.choose = always_autoregressive.__get__(llm.engine.policy)
         prompts = [q for _, q in load_prompts(args.prompts, llm.tokenizer)]
         report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda) for c in args.concurrency}
         llm.shutdown()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.actors.kv_cache import block_table_tensor
 from specray.plan import AttentionMetadata
 
 # Autoregressive steps in a row before the drafter rests: past the policy's
@@ -128,13 +129,9 @@ def _refill(target, drafter, piece: list) -> int:
         seq_lens.append(hi)
         tables.append(r.target_blocks.blocks)
         slots.extend(r.draft_blocks.slots(lo, hi))
-    width = max(len(t) for t in tables)
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     positions = torch.tensor(pos, dtype=torch.int64)
     attn = AttentionMetadata(positions, torch.zeros_like(positions), torch.tensor(qsl, dtype=torch.int64),
-                             torch.tensor(seq_lens, dtype=torch.int64), table,
+                             torch.tensor(seq_lens, dtype=torch.int64), block_table_tensor(tables),
                              max(b - a for a, b in zip(qsl, qsl[1:])), max(seq_lens)).to(dev)
     _, hidden_tapped = target.model.forward(torch.tensor(ids, dtype=torch.int64).to(dev), attn, target.kv_cache,
                                             logits_indices=None, tap_layer_ids=target.tap_layer_ids)
