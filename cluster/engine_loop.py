@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -33,6 +34,16 @@ def freeze_startup_heap() -> None:
     gives it back."""
     gc.collect()
     gc.freeze()
+
+
+def set_switch_interval() -> None:
+    """``SPECRAY_SWITCH_INTERVAL_US``: how long (microseconds) the step
+    thread, busy on the host between launches, may keep the GIL while the
+    process's RPC and output threads wait for it (CPython's default is
+    5 000)."""
+    us = os.environ.get("SPECRAY_SWITCH_INTERVAL_US")
+    if us:
+        sys.setswitchinterval(int(us) / 1e6)
 
 
 class EngineLoop:
@@ -61,6 +72,7 @@ class EngineLoop:
         # Diagnostics: the host time of each step's phases, in stats()
         self.phases = PhaseTimer(engine) if os.environ.get("SPECRAY_PHASES") == "1" else None
         freeze_startup_heap()
+        set_switch_interval()
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
 
