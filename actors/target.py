@@ -291,6 +291,15 @@ class TargetWorker:
         self.last_hidden = hidden
         return logits
 
+    @torch.inference_mode()
+    def tapped_hidden(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """The tapped hidden states ``[num_tokens, k*H]`` of one eager forward
+        without logits, its K/V written at ``attn.slot_mapping`` (a resting
+        drafter's refill, drafter_rest.py: rare, of any shape, so no graph)."""
+        _, hidden_tapped = self.model.forward(input_ids.to(self.device), attn.to(self.device), self.kv_cache,
+                                              logits_indices=None, tap_layer_ids=self.tap_layer_ids)
+        return hidden_tapped
+
     def _execute_graph(self, batch: TargetBatch) -> torch.Tensor | None:
         a = batch.attn
         n = a.seq_lens.shape[0]

@@ -118,9 +118,7 @@ def refill_context(target, drafter, requests) -> int:
     return sum(_refill(target, drafter, c) for c in chunks if c)
 
 
-@torch.inference_mode()
 def _refill(target, drafter, piece: list) -> int:
-    dev = target.device
     ids, pos, qsl, seq_lens, tables, slots = [], [], [0], [], [], []
     for r, lo, hi in piece:
         ids.extend(r.all_token_ids[lo:hi])
@@ -132,8 +130,7 @@ def _refill(target, drafter, piece: list) -> int:
     positions = torch.tensor(pos, dtype=torch.int64)
     attn = AttentionMetadata(positions, torch.zeros_like(positions), torch.tensor(qsl, dtype=torch.int64),
                              torch.tensor(seq_lens, dtype=torch.int64), block_table_tensor(tables),
-                             max(b - a for a, b in zip(qsl, qsl[1:])), max(seq_lens)).to(dev)
-    _, hidden_tapped = target.model.forward(torch.tensor(ids, dtype=torch.int64).to(dev), attn, target.kv_cache,
-                                            logits_indices=None, tap_layer_ids=target.tap_layer_ids)
+                             max(b - a for a, b in zip(qsl, qsl[1:])), max(seq_lens))
+    hidden_tapped = target.tapped_hidden(torch.tensor(ids, dtype=torch.int64), attn)
     drafter.store_context(hidden_tapped, positions, torch.tensor(slots, dtype=torch.int64))
     return len(pos)
