@@ -1,13 +1,14 @@
 """EngineLoop.get_outputs: how long a poll holds outputs back; the loop's
-start-up heap and the garbage collector."""
+start-up heap and the garbage collector; the GIL switch interval knob."""
 
 import gc
+import sys
 import threading
 import time
 
 from factories import make_models
 from specray.config import EngineConfig
-from specray.engine_loop import EngineLoop
+from specray.engine_loop import EngineLoop, set_switch_interval
 from specray.llm import build_engine
 from specray.request import RequestMetrics, RequestOutput
 
@@ -66,3 +67,16 @@ def test_the_loop_leaves_its_start_up_heap_out_of_full_collections(tmp_path):
     finally:
         loop.stop()
     assert gc.get_freeze_count() == 0
+
+
+def test_switch_interval_from_the_environment(monkeypatch):
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv("SPECRAY_SWITCH_INTERVAL_US", raising=False)
+        set_switch_interval()
+        assert sys.getswitchinterval() == before  # unset: CPython's own
+        monkeypatch.setenv("SPECRAY_SWITCH_INTERVAL_US", "250")
+        set_switch_interval()
+        assert abs(sys.getswitchinterval() - 250e-6) < 1e-9
+    finally:
+        sys.setswitchinterval(before)
