@@ -42,8 +42,11 @@ def set_switch_interval() -> None:
     process's RPC and output threads wait for it (CPython's default is
     5 000)."""
     us = os.environ.get("SPECRAY_SWITCH_INTERVAL_US")
-    if us:
-        sys.setswitchinterval(int(us) / 1e6)
+    if not us:
+        return
+    if not us.isdigit() or int(us) == 0:
+        raise ValueError(f"SPECRAY_SWITCH_INTERVAL_US must be a positive whole number of microseconds, not {us!r}")
+    sys.setswitchinterval(int(us) / 1e6)
 
 
 class EngineLoop:
@@ -51,6 +54,7 @@ class EngineLoop:
     replaced (``faults.FaultHandler``)."""
 
     def __init__(self, engine: EngineCore, on_stop=None, restart_drafter=None, restart_inline: bool = False):
+        set_switch_interval()  # first: a bad value fails the start before anything is held
         self.engine = engine
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
@@ -72,7 +76,6 @@ class EngineLoop:
         # Diagnostics: the host time of each step's phases, in stats()
         self.phases = PhaseTimer(engine) if os.environ.get("SPECRAY_PHASES") == "1" else None
         freeze_startup_heap()
-        set_switch_interval()
         self._thread = threading.Thread(target=self._run, name="specray-engine", daemon=True)
         self._thread.start()
 

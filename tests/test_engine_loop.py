@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import pytest
 from factories import make_models
 from specray.config import EngineConfig
 from specray.engine_loop import EngineLoop, set_switch_interval
@@ -78,5 +79,9 @@ def test_switch_interval_from_the_environment(monkeypatch):
         monkeypatch.setenv("SPECRAY_SWITCH_INTERVAL_US", "250")
         set_switch_interval()
         assert abs(sys.getswitchinterval() - 250e-6) < 1e-9
+        for bad in ("0", "-5", "1.5", "fast"):
+            monkeypatch.setenv("SPECRAY_SWITCH_INTERVAL_US", bad)
+            with pytest.raises(ValueError, match="SPECRAY_SWITCH_INTERVAL_US"):
+                set_switch_interval()
     finally:
         sys.setswitchinterval(before)
