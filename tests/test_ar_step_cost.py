@@ -27,6 +27,6 @@ def test_ar_step_cost_report(tmp_path, capsys):
     assert engines["spec_rest"]["2"]["drafter_rest"]["rests"] >= 1
     assert engines["spec_fed"]["2"]["drafter_rest"]["rests"] == 0
     for name in engines:  # every cycle autoregressive
-        assert engines[name]["2"]["cycles"] and all(k.rstrip("+join").endswith("a") for k in engines[name]["2"]["cycles"])
+        assert engines[name]["2"]["cycles"] and all(k.removesuffix("+join").endswith("a") for k in engines[name]["2"]["cycles"])
     assert set(report["ratios"]) == {"spec_rest", "spec_fed"}
     assert "spec_rest / ar tok/s: c=2" in capsys.readouterr().out
