@@ -303,6 +303,8 @@ class AsyncSteps:
 
         padded = padded_size(len(requests), self.config.max_num_seqs)
         kind = "greedy" if all(r.params.greedy for r in requests) else "sampled"
+        if self.rest.resting:
+            self.policy.resting(kind, len(requests))
         drafts = self.policy.choose(padded, kind)
         return self.rest.steer(drafts, self.policy.exploring)
 

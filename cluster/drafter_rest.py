@@ -15,7 +15,10 @@ taps, no context store) and notes, per request, where its drafter context
 stops (``Request.context_gap_from``). The policy's probes of speculative
 steps run meanwhile on the context the drafter has (a hole reads the
 zeros or a finished request's context its slots held: worse drafts,
-never other tokens), for their cost; their acceptance is left out. When
+never other tokens), for their cost; their acceptance is left out, and
+each step of the rest moves the policy's recent acceptance back toward its
+settled mean (``SpecPolicy.resting``), so that a stretch of low acceptance
+does not keep the drafter asleep. When
 the policy chooses a speculative step by its rate, the chain drains, the
 target runs once more over each request's tokens from that point
 (``refill_context``: its K/V go to the reserved slot 0, so the target's

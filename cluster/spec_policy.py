@@ -90,6 +90,19 @@ PROBE_STEPS = 3
 PROBE_BUDGET = 0.004
 MAX_PROBE_EVERY = 512  # ... and come at least this often
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
+# A position's settled acceptance: the same rows weighted this much less
+# (~400 rows). While the drafter rests (drafter_rest.py) no row tells the
+# policy anything, and a recent mean left where a stretch of low acceptance
+# put it would keep the drafter asleep for good: on the H100 at c=1 T=1 the
+# policy ran 5 878 autoregressive steps of 6 058 at 1.00x of the AR engine
+# where speculating ran at 1.25x. So at rest the recent mean returns to the
+# settled one, as if rows of settled acceptance came. The settled mean
+# itself moves only with rows a fed drafter verified: where ~400 rows of
+# low acceptance put it below the break-even point, the drafter sleeps until
+# the batch's costs change (a rest's probes time steps, their drafts come
+# from a context with holes).
+SETTLED_ALPHA = ROW_ALPHA / 8
+UNSEEN = 0.5  # a position not seen yet
 
 
 @dataclass
@@ -102,6 +115,7 @@ class SpecPolicy:
     cost: dict[tuple[int, int], float] = field(default_factory=dict)  # (padded batch, drafts) -> seconds
     # (sampling kind, "tree" or "chain") -> P(a row accepts at least j drafts), j = 1 .. block_size - 1
     survival: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)
+    settled: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)  # the same, SETTLED_ALPHA
     since: dict[int, int] = field(default_factory=dict)  # drafts -> steps since a step verified that many
     choices: dict[int, int] = field(default_factory=dict)  # drafts -> steps that verified that many
     held: int = 0  # steps a probe still holds its kind for
@@ -141,8 +155,17 @@ class SpecPolicy:
         """Tokens a row is expected to emit in a step verifying ``drafts``
         drafts: the bonus and each draft it accepts."""
         s = self.survival.get(self._shape(kind, drafts), ())
-        # a position not seen yet (a speculative step's first rows set it): half
-        return 1.0 + sum(0.5 if x is None else x for x in (list(s) + [None] * drafts)[:drafts])
+        # a position not seen yet (a speculative step's first rows set it): UNSEEN
+        return 1.0 + sum(UNSEEN if x is None else x for x in (list(s) + [None] * drafts)[:drafts])
+
+    def resting(self, kind: str, rows: int) -> None:
+        """A step of a resting drafter, ``rows`` rows of sampling ``kind``:
+        each position's recent mean moves toward its settled one as far as
+        ``rows`` rows of settled acceptance would move it."""
+        for key, settled in self.settled.items():
+            if key[0] == _kind(kind):
+                s = self.survival[key]
+                s[:] = [x if x is None or m is None else _ewm(x, m, ROW_ALPHA, rows) for x, m in zip(s, settled)]
 
     def _choose(self, n: int, kind: str) -> tuple[int, bool]:
         """(drafts, whether it is a probe)."""
@@ -203,6 +226,7 @@ class SpecPolicy:
         every ``j <= a`` and not for ``a < j <= g``. A position's first
         rows set it (None: not seen yet)."""
         s = self.survival.setdefault(key, [None] * (self.block_size - 1))
+        settled = self.settled.setdefault(key, [None] * (self.block_size - 1))
         n = len(s)
         # rows by the drafts they verified and accepted (counted once a row,
         # not once a row and position: this runs every step, 64 rows at c=64)
@@ -219,8 +243,8 @@ class SpecPolicy:
             if not seen:
                 break  # a row verifies its drafts from the first: none saw a later one
             mean = yes / seen
-            w = 1.0 if s[j - 1] is None else 1 - (1 - ROW_ALPHA) ** seen
-            s[j - 1] = mean if w == 1.0 else (1 - w) * s[j - 1] + w * mean
+            s[j - 1] = _ewm(s[j - 1], mean, ROW_ALPHA, seen)
+            settled[j - 1] = _ewm(settled[j - 1], mean, SETTLED_ALPHA, seen)
 
     def snapshot(self) -> dict:
         full = self.block_size - 1
@@ -228,8 +252,7 @@ class SpecPolicy:
                 "autoregressive_steps": self.choices.get(0, 0),
                 "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
                 "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k, _ in self.survival},
-                "survival": {"/".join(k): [None if x is None else round(x, 4) for x in s]
-                             for k, s in self.survival.items()},
+                "survival": _rounded(self.survival), "settled_survival": _rounded(self.settled),
                 "step_ms": {step_key(n, d, full): round(1000 * t, 4) for (n, d), t in sorted(self.cost.items())},
                 "measured": {step_key(n, d, full): list(m) for (n, d), m in sorted(self.measured.items())}}
 
@@ -242,6 +265,16 @@ def probe_every(base: int, advantage: float, budget: float = PROBE_BUDGET) -> in
     ``MAX_PROBE_EVERY`` at most."""
     loss = PROBE_STEPS * (1 - 1 / max(1.0, advantage))
     return int(min(MAX_PROBE_EVERY, max(base, loss / budget)))
+
+
+def _rounded(survival: dict) -> dict:
+    return {"/".join(k): [None if x is None else round(x, 4) for x in s] for k, s in survival.items()}
+
+
+def _ewm(old: float | None, mean: float, alpha: float, rows: int) -> float:
+    """``old`` moved toward ``mean`` by ``rows`` rows of weight ``alpha``
+    (None: not seen yet, ``mean``)."""
+    return mean if old is None else old + (1 - (1 - alpha) ** rows) * (mean - old)
 
 
 def lower_median(xs) -> float:

@@ -157,3 +157,21 @@ def test_probes_while_resting_keep_tokens_and_stay_out_of_the_acceptance(models)
     add(ar, params)
     want = finish(ar)
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+
+
+def test_a_rest_returns_the_recent_acceptance_to_the_settled_one(models):
+    """While the drafter rests, each step moves the policy's recent
+    acceptance toward its settled one (spec_policy.SpecPolicy.resting), and
+    the settled one stays: a dip that turned speculation off does not keep
+    the drafter asleep."""
+    from specray.spec_policy import scripted
+
+    eng = engine(models)
+    policy = eng.policy
+    policy.choose = scripted(policy, [0])
+    key = ("greedy", "chain")
+    policy.survival[key], policy.settled[key] = [0.1] * (BLOCK - 1), [0.9] * (BLOCK - 1)
+    add(eng, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+    finish(eng)
+    assert eng.rest.rests == 1 and eng.rest.resting
+    assert all(0.85 < x < 0.9 for x in policy.survival[key]) and policy.settled[key] == [0.9] * (BLOCK - 1)

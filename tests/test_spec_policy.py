@@ -12,7 +12,7 @@ from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
 from specray.async_decode import AsyncSteps, InflightStep
 from specray.spec_policy import (AR_PROBE_EVERY, CONFIRM, COST_SAMPLES, MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_EVERY, PROBE_STEPS,
-                                 SpecPolicy, probe_every)
+                                 ROW_ALPHA, SpecPolicy, probe_every)
 
 def rows_of(tokens: float, n: int = 50) -> list[tuple[int, int]]:
     """``n`` rows (drafts accepted, 15 verified) that emit ``tokens`` a row on average."""
@@ -159,6 +159,58 @@ def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
             p.observe(1, 0, 0.00102, "sampled")
     # the autoregressive probes: PROBE_STEPS in probe_every(AR_PROBE_EVERY, ~1.4) + PROBE_STEPS
     assert sum(picks[100:]) / len(picks[100:]) > 0.97
+
+
+def _settled_then_dipped(n: int, spec_s: float, ar_s: float) -> SpecPolicy:
+    """A policy at batch ``n`` T=1 that settled at 1.8 tokens a row
+    (600 rows), then saw 100 rows of 1.2."""
+    p = SpecPolicy(block_size=16)
+    for _ in range(CONFIRM):
+        p.observe(n, 0, ar_s, "sampled")
+    for _ in range(120):
+        p.observe(n, 15, spec_s, "sampled", rows_of(1.8, 5))
+    for _ in range(20):
+        p.observe(n, 15, spec_s, "sampled", rows_of(1.2, 5))
+    return p
+
+
+def _wakes_within(p: SpecPolicy, n: int, steps: int, rest: bool) -> int | None:
+    """The step of a rest at which the policy chooses speculation by its rate."""
+    for step in range(1, steps + 1):
+        if rest:
+            p.resting("sampled", n)
+        if p.choose(n, "sampled") and not p.exploring:
+            return step
+    return None
+
+
+def test_a_rest_brings_the_recent_acceptance_back_to_the_settled_one():
+    """Speculation pays at batch 1 at the settled 1.8 tokens a row (1.8 in
+    1.42 ms against 1 in 1 ms); a stretch of low acceptance turned it off.
+    While the drafter rests no row reaches the policy: the recent mean
+    returns to the settled one and the policy speculates again (left where
+    the stretch put it, the drafter slept for good: H100, c=1 T=1, 1.00x)."""
+    p = _settled_then_dipped(1, 0.00142, 0.001)
+    assert p.tokens("sampled", 15) < 1.03 * 1.42  # below break-even: autoregressive steps
+    assert p.settled[("sampled", "chain")][0] == pytest.approx(0.8 - 0.6 * (1 - (1 - ROW_ALPHA / 8) ** 100), abs=0.01)
+    assert _wakes_within(_settled_then_dipped(1, 0.00142, 0.001), 1, 400, rest=False) is None
+    settled = list(p.settled[("sampled", "chain")])
+    step = _wakes_within(p, 1, 400, rest=True)
+    assert step is not None and 10 < step < 60
+    assert p.settled[("sampled", "chain")] == settled  # only fed rows move it
+    # greedy acceptance is its own: a sampled rest leaves it be
+    p.observe(1, 15, 0.00142, "greedy", rows_of(3.0, 5))
+    greedy = list(p.survival[("greedy", "chain")])
+    p.resting("sampled", 1)
+    assert p.survival[("greedy", "chain")] == greedy
+
+
+def test_a_rest_under_load_stays_a_rest():
+    """At batch 64 a speculative step costs 3.3 ms to the autoregressive
+    1.6: 1.8 tokens a row lose (0.55 against 0.63 a ms) whatever the
+    rest does to the recent mean."""
+    p = _settled_then_dipped(64, 0.0033, 0.0016)
+    assert _wakes_within(p, 64, 3000, rest=True) is None
 
 
 def test_policy_probes_while_autoregressive():
