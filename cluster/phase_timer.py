@@ -32,7 +32,7 @@ class PhaseTimer:
         # helpers' methods for the process, until close().
         for name in ("_target_batch", "_accept", "_apply", "_apply_inflight", "speculate", "_join_lanes",
                      "_can_chain", "_sync_step", "_logprob_rows", "_emit", "store_context", "_shape_admission",
-                     "add_request"):
+                     "add_request", "_observe_cycle", "_count_cycle"):
             if hasattr(eng, name):
                 self._wrap(eng, name, instance=True)
         self._wrap(eng.scheduler, "schedule", instance=True)
@@ -43,9 +43,10 @@ class PhaseTimer:
                             (sync_accept.AcceptedOnDevice, "read"), (async_decode.InflightStep, "wait")):
             self._wrap(owner, name)
         self._wrap(chain_admit, "join_chain", join=True)
-        # engine.py calls join_chain by the name it imported
-        self._undo.append((engine_module, "join_chain", engine_module.join_chain, False))
-        engine_module.join_chain = chain_admit.join_chain
+        # engine.py calls join_chain and launch_decode by the names it imported
+        for owner, name in ((chain_admit, "join_chain"), (async_decode, "launch_decode")):
+            self._undo.append((engine_module, name, getattr(engine_module, name), False))
+            setattr(engine_module, name, getattr(owner, name))
         self._wrap(eng, "step", step=True, instance=True)
 
     def _wrap(self, owner, name, join=False, step=False, instance=False):

@@ -24,7 +24,7 @@ def engine(tmp_path_factory):
 
 def test_phases_split_every_step_and_undo_at_stop(engine, monkeypatch):
     monkeypatch.setenv("SPECRAY_PHASES", "1")
-    originals = (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain)
+    originals = (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain, engine_module.launch_decode)
     loop = EngineLoop(engine)
     try:
         before = loop.stats()["phases"]
@@ -53,4 +53,5 @@ def test_phases_split_every_step_and_undo_at_stop(engine, monkeypatch):
     assert table["sync"]["cycles"] > 0 and "_sync_step" in table["sync"]["ms_per_cycle"]
     # stopped: the engine's own methods again, the modules' functions as they were
     assert not {"step", "_emit", "_sync_step"} & set(vars(engine))
-    assert (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain) == originals
+    assert (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain,
+            engine_module.launch_decode) == originals
