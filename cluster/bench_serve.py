@@ -226,6 +226,10 @@ class Sweep:
                       + (f", engine busy {p.engine['busy']:.0%}" if p.engine else "")
                       + (", in/ttft/out/done p50 {inbound_ms:.1f}/{engine_ttft_ms:.1f}/{outbound_ms:.1f}/"
                          "{done_ms:.1f} ms".format(**p.transport) if p.transport else "")
+                      + (" (at the replica: in {to_replica_ms:.1f}+{replica_to_engine_ms:.1f}, out "
+                         "{engine_to_replica_ms:.1f}+{replica_to_client_ms:.1f}, done {end_to_replica_ms:.1f}+"
+                         "{end_replica_to_client_ms:.1f})".format(**p.transport)
+                         if p.transport and "to_replica_ms" in p.transport else "")
                       + (f" ({p.error_samples[0]})" if p.error_samples else "")
                       + (f"; ABORTED: {p.aborted}" if p.aborted else ""), flush=True)
 

@@ -23,7 +23,10 @@ DEFINITIONS = {
     "transport": "p50 over requests, ms, from the engine's own times (its host's monotonic clock, the client's "
                  "too when both run on one host): inbound = sent -> the engine took it, engine_ttft = taken -> "
                  "first token, outbound = first token -> its chunk at the client, done = the engine ended it -> "
-                 "the stream's end at the client; null where the server sent no times",
+                 "the stream's end at the client; null where the server sent no times. HTTP streams split each "
+                 "leg at the Serve replica (its times in the last chunk's specray.replica_times): to_replica + "
+                 "replica_to_engine = inbound, engine_to_replica + replica_to_client = outbound, end_to_replica + "
+                 "end_replica_to_client = done",
     "engine": "the engine's own counters over the timed run (HTTP: GET /server_info before and after): steps, "
               "busy = time in steps / wall time, step_ms = mean step wall time, async_gpu_ms = GPU time of an "
               "asynchronous step where timed, sync_step_ms = mean wall time of the synchronous steps, cycles = "
@@ -135,7 +138,8 @@ def transport_p50(results: list[RequestResult]) -> dict | None:
     parts = [t for t in (r.transport() for r in results) if t is not None]
     if not parts:
         return None
-    return {f"{k}_ms": _ms(percentile([t[k] for t in parts], 50)) for k in parts[0]}
+    keys = dict.fromkeys(k for t in parts for k in t)  # the replica's legs: HTTP streams only
+    return {f"{k}_ms": _ms(percentile([t[k] for t in parts if k in t], 50)) for k in keys}
 
 
 def engine_counters(before: dict | None, after: dict | None, wall_s: float) -> dict | None:

@@ -42,6 +42,7 @@ class RequestResult:
     # The engine's arrival / first_token / finished times (time.monotonic on
     # its host, which is perf_counter's clock: comparable on one host).
     engine_times: dict | None = None
+    replica_times: dict | None = None  # the Serve replica's (responses.ChunkWriter): HTTP streams only
 
     def tokens(self, token_ids: list[int], text: str) -> None:
         if token_ids:
@@ -70,8 +71,17 @@ class RequestResult:
         e = self.engine_times
         if not e or e.get("first_token") is None or not self.chunk_times or self.end is None:
             return None
-        return {"inbound": e["arrival"] - self.start, "engine_ttft": e["first_token"] - e["arrival"],
+        legs = {"inbound": e["arrival"] - self.start, "engine_ttft": e["first_token"] - e["arrival"],
                 "outbound": self.chunk_times[0] - e["first_token"], "done": self.end - e["finished"]}
+        rt = self.replica_times
+        if rt and all(rt.get(k) is not None for k in ("received", "first_output", "finished_output")):
+            # each leg split at the replica: client -> replica -> engine, and back
+            legs.update({"to_replica": rt["received"] - self.start, "replica_to_engine": e["arrival"] - rt["received"],
+                         "engine_to_replica": rt["first_output"] - e["first_token"],
+                         "replica_to_client": self.chunk_times[0] - rt["first_output"],
+                         "end_to_replica": rt["finished_output"] - e["finished"],
+                         "end_replica_to_client": self.end - rt["finished_output"]})
+        return legs
 
     def chunk_gaps(self) -> list[float]:
         t = self.chunk_times
@@ -204,6 +214,7 @@ def _read_chunk(r: RequestResult, chunk: dict) -> None:
     if chunk.get("specray"):
         r.acceptance_lengths = list(chunk["specray"].get("acceptance_lengths") or [])
         r.engine_times = chunk["specray"].get("engine_times")
+        r.replica_times = chunk["specray"].get("replica_times")
     if chunk.get("usage"):
         r.usage_tokens = chunk["usage"]["completion_tokens"]
 

@@ -74,9 +74,13 @@ def _sse_app(stalls: bool = False):
                 await asyncio.sleep(2)
             if part is None:
                 times = {"arrival": arrival, "first_token": first, "finished": time.monotonic()}
+                # a replica in front of the engine: it took the request before the engine did, saw the
+                # first tokens and the end after it
+                replica = {"received": arrival - 0.002, "first_output": first + 0.001,
+                           "finished_output": times["finished"] + 0.001}
                 part = _chunk({"index": 0, "delta": {}, "finish_reason": "length"},
                               specray={"acceptance_lengths": [3], "mean_acceptance_length": 3.0,
-                                       "engine_times": times})
+                                       "engine_times": times, "replica_times": replica})
             first = first or (time.monotonic() if i == 1 else None)
             await resp.write(part.encode())
             await asyncio.sleep(0.01)
@@ -135,6 +139,12 @@ def test_http_client_reads_a_stream():
     assert t["inbound"] >= 0 and t["engine_ttft"] >= 0.009 and t["outbound"] >= 0 and t["done"] >= 0, t
     assert abs(t["inbound"] + t["engine_ttft"] + t["outbound"] - r.ttft) < 1e-9
     assert t["inbound"] < r.ttft and t["outbound"] < r.ttft
+    # each leg split at the replica
+    assert t["replica_to_engine"] == pytest.approx(0.002) and t["engine_to_replica"] == pytest.approx(0.001)
+    assert t["end_to_replica"] == pytest.approx(0.001)
+    for leg, (a, b) in {"inbound": ("to_replica", "replica_to_engine"), "outbound": ("engine_to_replica",
+                        "replica_to_client"), "done": ("end_to_replica", "end_replica_to_client")}.items():
+        assert t[a] + t[b] == pytest.approx(t[leg]), leg
 
 
 def test_a_point_gives_up_at_a_timeout_or_after_max_errors():
@@ -237,6 +247,8 @@ def test_bench_serve_end_to_end_on_the_embedded_pair(tmp_path):
         # the engine's times against the client's (one host, one clock): each part of the TTFT non-negative
         t = p["transport"]
         assert min(t.values()) >= 0 and t["engine_ttft_ms"] > 0 and t["inbound_ms"] < p["ttft_p99_ms"], p
+        # HTTP's legs also split at the replica (its clock is the host's too)
+        assert ("to_replica_ms" in t and "end_replica_to_client_ms" in t) == (p["path"] == "http"), t
     for c in (1, 2):
         http, local = points["http", c]["requests"], points["inprocess", c]["requests"]
         assert [r["id"] for r in http] == [r["id"] for r in local]

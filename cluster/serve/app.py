@@ -399,7 +399,8 @@ class SpecRayServer(GrpcService):
         logprobs = [P.LogprobWriter(self.tokenizer, kind == "chat") if params.logprobs is not None else None
                     for _ in leases]
         if req.stream:
-            writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids, logprobs)
+            writer = P.ChunkWriter(kind, rid, self.model_name, req.include_usage, req.return_token_ids, logprobs,
+                                   received=start)
             return EngineStream(self._sse(writer, firsts, trackers, leases), leases)
         try:
             outs = []

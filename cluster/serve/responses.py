@@ -123,8 +123,12 @@ class ChunkWriter:
     its choices, each chunk naming its choice's index."""
 
     def __init__(self, kind: str, rid: str, model: str, include_usage: bool, return_token_ids: bool,
-                 logprobs: list[LogprobWriter | None]):
+                 logprobs: list[LogprobWriter | None], received: float | None = None):
         self.chat = kind == "chat"
+        # When the replica took the request, saw its first tokens and its end
+        # (time.monotonic): the last chunk's ``specray.replica_times``, which
+        # split the transport's legs at the replica (``specray bench serve``).
+        self.replica_times = None if received is None else {"received": received}
         self.rid, self.model = rid, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
         self.logprobs = logprobs  # one per choice
@@ -175,6 +179,12 @@ class ChunkWriter:
         ``[DONE]``: the stream did not complete)."""
         chunks = []
         entries = out.delta_logprobs if self.logprobs[index] else None
+        times = self.replica_times
+        if times is not None:
+            if out.delta_token_ids:
+                times.setdefault("first_output", time.monotonic())
+            if out.finished:
+                times["finished_output"] = time.monotonic()
         if not out.finished:
             if self._has_news(index, out):
                 chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
@@ -184,14 +194,17 @@ class ChunkWriter:
         if reason is None:  # aborted or failed inside the engine: an error event ends the stream
             chunks.append(sse(output_error(out).body()))
             return chunks
+        stats = spec_stats([out])
+        if times is not None:
+            stats["replica_times"] = dict(times)
         if self.chat and self._has_news(index, out):
             # content first, then an empty delta carrying the finish reason
             chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, None,
                                                         entries)])))
-            chunks.append(sse(self._chunk([self._choice(index, None, [], reason)], specray=spec_stats([out]))))
+            chunks.append(sse(self._chunk([self._choice(index, None, [], reason)], specray=stats)))
         else:
             chunks.append(sse(self._chunk([self._choice(index, out.delta_text, out.delta_token_ids, reason,
-                                                        entries)], specray=spec_stats([out]))))
+                                                        entries)], specray=stats)))
         return chunks
 
     def end(self, outs: list[RequestOutput]) -> list[bytes]:
