@@ -39,7 +39,9 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   is an exponentially weighted mean over the engine's recent speculative
   rows that verified a ``j``-th draft (a shorter chain's rows still count
   for the positions they verified), kept apart for greedy and sampled
-  batches (their acceptance differs by half). The losing kinds are
+  batches (their acceptance differs by half); while the drafter rests no
+  row comes, and each ``S_j`` returns toward a settled mean of the same
+  rows (``SETTLED_ALPHA``, ``resting``). The losing kinds are
   probed now and then, all of them together at a cost of at most
   ``PROBE_BUDGET`` of the throughput, each its share (``probe_every``;
   on the H200 at c=1 T=0 three losing kinds, each at the whole budget,
