@@ -56,9 +56,9 @@ def main(argv=None) -> dict:
     p.add_argument("--short-interval-us", type=int, default=200)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    import ray
+    from specray.placement import ensure_ray
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    ray = ensure_ray()
     try:
         probe = actor_class(ray).remote()
         ray.get(probe.ping.remote())
