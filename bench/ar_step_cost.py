@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/prompts/eval.jsonl"))
+    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES),
+                   help="which engines run (one alone: a profiler attached from outside sees only it)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     from specray.cli import resolve_models
@@ -87,7 +89,8 @@ def main(argv=None) -> dict:
     report = {"command": "python bench/ar_step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "target": target, "drafter": drafter, "device": args.device, "temperature": 1.0,
               "max_tokens": args.max_tokens, "policy": "forced autoregressive", "engines": {}}
-    for name, settings in ENGINES.items():
+    for name in args.engines:
+        settings = ENGINES[name]
         llm = LLM(target, None if settings is None else drafter, **common, **(settings or {}))
         prompts = [q for _, q in load_prompts(args.prompts, llm.tokenizer)]
         report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda) for c in args.concurrency}
@@ -98,7 +101,7 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
     report["ratios"] = {name: {c: round(point["tok_s"] / report["engines"]["ar"][c]["tok_s"], 3)
                                for c, point in points.items()}
-                        for name, points in report["engines"].items() if name != "ar"}
+                        for name, points in report["engines"].items() if name != "ar"} if "ar" in args.engines else {}
     for name, ratios in report["ratios"].items():
         print(f"{name} / ar tok/s: " + ", ".join(f"c={c} {r:.3f}x" for c, r in ratios.items()), flush=True)
     write_report(args.out, report)

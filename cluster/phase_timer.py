@@ -22,7 +22,8 @@ KINDS = ("join", "sync", "async")
 class PhaseTimer:
     def __init__(self, eng):
         import specray.engine as engine_module
-        from specray import async_decode, chain_admit, sync_accept
+        from specray import async_decode, chain_admit, step_buffers, sync_accept
+        from specray.actors import graphs
 
         self.eng, self._in_join, self._undo = eng, False, []
         self.ms: Counter = Counter()  # (kind, name) -> total ms; kind "pending" until its step() ends
@@ -40,7 +41,9 @@ class PhaseTimer:
         self._wrap(eng.target, "execute", instance=True)
         for owner, name in ((engine_module, "chain_from_prefill"), (chain_admit, "_store_prompts"),
                             (async_decode, "launch_decode"), (async_decode, "join_rows"),
-                            (sync_accept.AcceptedOnDevice, "read"), (async_decode.InflightStep, "wait")):
+                            (sync_accept.AcceptedOnDevice, "read"), (async_decode.InflightStep, "wait"),
+                            (async_decode.InflightStep, "gpu_seconds"), (graphs.DecodeGraphs, "run"),
+                            (step_buffers.ResultBuffers, "fetch")):
             self._wrap(owner, name)
         self._wrap(chain_admit, "join_chain", join=True)
         # engine.py calls join_chain and launch_decode by the names it imported
