@@ -39,7 +39,7 @@ from specray.faults import drafter_part, fail_request, format_error
 from specray.request import Request, RequestOutput
 from specray.chain_admit import may_join
 from specray.chain_rows import HISTORY_UPLOADS, batch_mode, first_inputs, join_rows, write_history
-from specray.drafter_rest import refill_context
+from specray.drafter_rest import TRIAL_STEPS, refill_context
 
 
 @dataclass
@@ -313,7 +313,8 @@ class AsyncSteps:
         skipped, every running request's (drafter_rest.py)."""
         target = getattr(self.target, "worker", self.target)
         self.rest.refilled_tokens += refill_context(target, self.drafter, self.scheduler.running)
-        self.rest.woke()
+        if self.rest.woke():
+            self.policy.hold(self.block_size - 1, TRIAL_STEPS)
 
     def _observe_cycle(self, now: float) -> None:
         """What the policy learns from the last ``step()`` call, when the

@@ -18,7 +18,9 @@ zeros or a finished request's context its slots held: worse drafts,
 never other tokens), for their cost; their acceptance is left out, and
 each step of the rest moves the policy's recent acceptance back toward its
 settled mean (``SpecPolicy.resting``), so that a stretch of low acceptance
-does not keep the drafter asleep. When
+does not keep the drafter asleep; where the settled mean itself is below
+break-even, a trial wake now and then (``TRIAL_AFTER``) reads the
+acceptance again. When
 the policy chooses a speculative step by its rate, the chain drains, the
 target runs once more over each request's tokens from that point
 (``refill_context``: its K/V go to the reserved slot 0, so the target's
@@ -48,6 +50,17 @@ from specray.plan import AttentionMetadata
 REST_AFTER = 32
 MAX_REST_AFTER = 512
 REFILL_TOKENS = 4096  # most tokens one refill forward runs
+# A rest the policy never ends (its settled acceptance below break-even, so
+# no rate picks speculation) would keep the drafter asleep though the
+# requests changed: after TRIAL_AFTER rested steps it wakes for a trial of
+# TRIAL_STEPS speculative steps, whose acceptance, read on a whole context,
+# reaches the policy. Each trial doubles the wait for the next, up to
+# MAX_TRIAL_AFTER, until the policy speculates by its rates again: at c=64 on the H100
+# (~2 ms a step) a trial's drain, refill and steps cost tens of ms against
+# seconds of rest.
+TRIAL_AFTER = 1024
+MAX_TRIAL_AFTER = 16384
+TRIAL_STEPS = 4
 
 
 @dataclass
@@ -61,6 +74,9 @@ class DrafterRest:
     rests: int = 0  # times the drafter rested
     probe_steps: int = 0  # the policy's probes run while it rested
     refilled_tokens: int = 0  # positions whose context refill_context rebuilt
+    trial_after: int = TRIAL_AFTER  # rested steps before a trial wake
+    trial: bool = False  # the wake under way is a trial's
+    trials: int = 0  # trial wakes
 
     def steer(self, drafts: int, exploring: bool = False) -> int:
         """The drafts the next step verifies, given the policy's choice
@@ -75,6 +91,9 @@ class DrafterRest:
             self.streak += 1
             if self.supported and not self.resting and self.streak >= self.rest_after:
                 self.resting, self.rests, self.rested_steps = True, self.rests + 1, 0
+            elif self.resting and not self.waking and self.rested_steps >= self.trial_after:
+                self.waking = self.trial = True
+                self.trials += 1
             return 0
         if self.resting:
             if exploring:
@@ -83,17 +102,26 @@ class DrafterRest:
             self.waking = True
             return 0
         self.streak = 0
+        if not exploring:  # chosen by its rate: speculation pays again, trials start over
+            self.trial_after = TRIAL_AFTER
         return drafts
 
-    def woke(self) -> None:
-        short = self.rested_steps < 4 * self.rest_after
-        self.rest_after = min(2 * self.rest_after, MAX_REST_AFTER) if short else REST_AFTER
-        self.resting = self.waking = False
+    def woke(self) -> bool:
+        """The context is whole again; whether the wake was a trial's (its
+        steps speculate whatever the policy's rates: ``SpecPolicy.hold``)."""
+        trial = self.trial
+        if trial:
+            self.trial_after = min(2 * self.trial_after, MAX_TRIAL_AFTER)
+        else:
+            short = self.rested_steps < 4 * self.rest_after
+            self.rest_after = min(2 * self.rest_after, MAX_REST_AFTER) if short else REST_AFTER
+        self.resting = self.waking = self.trial = False
         self.streak = 0
+        return trial
 
     def snapshot(self) -> dict:
         return {"rests": self.rests, "resting": self.resting, "rest_after": self.rest_after,
-                "probe_steps": self.probe_steps,
+                "probe_steps": self.probe_steps, "trials": self.trials, "trial_after": self.trial_after,
                 "refilled_tokens": self.refilled_tokens}
 
 

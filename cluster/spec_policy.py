@@ -153,6 +153,11 @@ class SpecPolicy:
         self.choices[drafts] = self.choices.get(drafts, 0) + 1
         return drafts
 
+    def hold(self, drafts: int, steps: int) -> None:
+        """The next ``steps`` steps verify ``drafts`` drafts whatever the
+        rates (a resting drafter's trial wake, drafter_rest.py)."""
+        self.held, self.holding = steps, drafts
+
     def tokens(self, kind: str, drafts: int) -> float:
         """Tokens a row is expected to emit in a step verifying ``drafts``
         drafts: the bonus and each draft it accepts."""

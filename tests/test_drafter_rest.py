@@ -175,3 +175,52 @@ def test_a_rest_returns_the_recent_acceptance_to_the_settled_one(models):
     finish(eng)
     assert eng.rest.rests == 1 and eng.rest.resting
     assert all(0.85 < x < 0.9 for x in policy.survival[key]) and policy.settled[key] == [0.9] * (BLOCK - 1)
+
+
+def test_trial_wakes_come_further_apart_until_the_policy_keeps_one(monkeypatch):
+    import specray.drafter_rest as dr
+
+    monkeypatch.setattr(dr, "TRIAL_AFTER", 8)
+    rest = DrafterRest(supported=True, trial_after=8)
+    for _ in range(REST_AFTER):
+        rest.steer(0)
+    assert rest.resting and not rest.waking
+    steps = [rest.steer(0) for _ in range(8)]
+    assert steps == [0] * 8 and rest.waking and rest.trial and rest.trials == 1
+    assert rest.woke() and rest.trial_after == 16 and rest.rest_after == REST_AFTER  # a trial leaves rest_after
+    for _ in range(REST_AFTER + 16):  # the trial's steps were not kept: rest, then a trial twice as far
+        rest.steer(0)
+    assert rest.waking and rest.trials == 2
+    rest.woke()
+    assert rest.steer(5, exploring=True) == 5 and rest.trial_after == 32  # the trial's held steps
+    assert rest.steer(5) == 5 and rest.trial_after == 8  # chosen by its rate: trials start over
+    for _ in range(REST_AFTER + 2):
+        rest.steer(0)
+    rest.steer(5)
+    assert rest.waking and not rest.woke()  # a wake the policy chose is no trial
+
+
+def test_a_trial_wake_reads_the_acceptance_again(models, monkeypatch):
+    """A rest the policy never ends by its rates (its settled acceptance
+    below break-even) is broken by trial wakes: the context refilled, a
+    few speculative steps whose rows reach the policy, then a rest again,
+    the next trial twice as far; the tokens stay the target's."""
+    import specray.drafter_rest as dr
+
+    monkeypatch.setattr(dr, "TRIAL_AFTER", 8)
+    eng = engine(models)
+    eng.rest.trial_after = 8
+    policy = eng.policy
+    policy.choose = type(policy).choose.__get__(policy)  # the real choice, past the test's script
+    policy._choose = lambda n, kind: (0, False)  # every rate says autoregressive
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    add(eng, params)
+    got = finish(eng)
+    assert eng.rest.trials >= 2 and eng.rest.trial_after == 8 * 2 ** eng.rest.trials
+    assert eng.rest.refilled_tokens > 0 and eng.chain_breaks["the drafter wakes"] == eng.rest.trials
+    assert policy.choices.get(BLOCK - 1, 0) >= 4 * dr.TRIAL_STEPS // 2  # the trials' steps speculated
+    assert ("greedy", "chain") in policy.survival or ("greedy", "tree") in policy.survival  # their rows counted
+    ar = engine(models, drafter=False)
+    add(ar, params)
+    want = finish(ar)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
