@@ -6,7 +6,8 @@ cluster/drafter_rest.py) and one whose drafter is fed every step
 (``drafter_rest=False``). Per engine and concurrency: tokens/s, the async
 cycles' wall and device ms by kind (``32a``: autoregressive at padded 32),
 host ms per cycle by phase (cluster/phase_timer.py) and, on CUDA, the
-device time per step of each kernel (torch.profiler).
+device time per step of each kernel and the host time of each CUDA runtime
+call (torch.profiler).
 
     python bench/ar_step_cost.py --device cuda --concurrency 32 64 --out results/h200_ar_step_cost.json
 
@@ -46,6 +47,16 @@ def kernel_ms(prof, steps: int, top: int = 30) -> dict:
     return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
 
 
+def runtime_ms(prof, steps: int, top: int = 15) -> dict:
+    """Host ms a step in each CUDA runtime / driver call (graph launches,
+    copies, event records and waits), the most costly first."""
+    per = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CPU" and e.key.startswith("cu") and e.self_cpu_time_total:
+            per[e.key[:60]] = (round(e.self_cpu_time_total / 1000 / steps, 4), round(e.count / steps, 2))
+    return {k: {"ms": ms, "calls": n} for k, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]}
+
+
 def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
     eng = llm.engine
     work = [prompts[(c + j) % len(prompts)] for j in range(4 * c)]
@@ -60,9 +71,11 @@ def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
     point["host_ms_per_cycle"] = per_cycle(timer.totals())
     timer.close()
     if cuda:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
             closed_loop(eng, work[:c], params, c)
         point["kernel_ms_per_step"] = kernel_ms(prof, eng.loop_steps)
+        point["runtime_calls_per_step"] = runtime_ms(prof, eng.loop_steps)
     if eng.policy is not None:
         point["drafter_rest"] = eng.rest.snapshot()
     return point
