@@ -57,7 +57,7 @@ def runtime_ms(prof, steps: int, top: int = 15) -> dict:
     return {k: {"ms": ms, "calls": n} for k, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]}
 
 
-def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
+def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool, kernels: bool = True) -> dict:
     eng = llm.engine
     work = [prompts[(c + j) % len(prompts)] for j in range(4 * c)]
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True, seed=0)
@@ -70,7 +70,7 @@ def measure(llm, prompts: list, c: int, max_tokens: int, cuda: bool) -> dict:
     closed_loop(eng, work, params, c)
     point["host_ms_per_cycle"] = per_cycle(timer.totals())
     timer.close()
-    if cuda:
+    if cuda and kernels:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
             closed_loop(eng, work[:c], params, c)
@@ -89,6 +89,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/prompts/eval.jsonl"))
     p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES),
                    help="which engines run (one alone: a profiler attached from outside sees only it)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile each point's kernels and runtime calls after its timed runs (the profiler may "
+                        "stay attached to the process and tax later points' launches: --no-kernels for clean ones)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     from specray.cli import resolve_models
@@ -106,7 +109,7 @@ def main(argv=None) -> dict:
         settings = ENGINES[name]
         llm = LLM(target, None if settings is None else drafter, **common, **(settings or {}))
         prompts = [q for _, q in load_prompts(args.prompts, llm.tokenizer)]
-        report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda) for c in args.concurrency}
+        report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda, args.kernels) for c in args.concurrency}
         llm.shutdown()
         del llm
         gc.collect()
