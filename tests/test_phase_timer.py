@@ -8,6 +8,7 @@ import pytest
 
 from factories import make_models
 from specray import SamplingParams, async_decode, chain_admit
+from specray.actors.graphs import DecodeGraphs
 from specray import engine as engine_module
 from specray.config import EngineConfig
 from specray.engine_loop import EngineLoop
@@ -24,7 +25,8 @@ def engine(tmp_path_factory):
 
 def test_phases_split_every_step_and_undo_at_stop(engine, monkeypatch):
     monkeypatch.setenv("SPECRAY_PHASES", "1")
-    originals = (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain, engine_module.launch_decode)
+    originals = (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain, engine_module.launch_decode,
+                 DecodeGraphs.run)
     loop = EngineLoop(engine)
     try:
         before = loop.stats()["phases"]
@@ -54,4 +56,4 @@ def test_phases_split_every_step_and_undo_at_stop(engine, monkeypatch):
     # stopped: the engine's own methods again, the modules' functions as they were
     assert not {"step", "_emit", "_sync_step"} & set(vars(engine))
     assert (async_decode.launch_decode, chain_admit.join_chain, engine_module.join_chain,
-            engine_module.launch_decode) == originals
+            engine_module.launch_decode, DecodeGraphs.run) == originals
