@@ -259,6 +259,7 @@ class TargetRank:
         self.tp_group = None
         self.worker: TargetWorker | None = None
         self.loop = None
+        self.channel = None  # engine_channel.ChannelServer, opened by the first replica that asks
         self.calls = {"submit": 0, "abort": 0, "get_outputs": 0}
 
     def address(self) -> tuple[str, int]:
@@ -402,10 +403,26 @@ class TargetRank:
         cursor, outs = self.loop.get_outputs(cursor, timeout, min_batch_s)
         return cursor, pack(outs)
 
+    def open_channel(self, caller_node: str):
+        """``(address, secret)`` of a socket to this loop (``engine_channel``)
+        for a caller on this node; None for one elsewhere (it keeps to Ray
+        calls)."""
+        if caller_node != node_id() or self.loop is None:
+            return None
+        if self.channel is None:
+            from specray.engine_channel import ChannelServer
+
+            self.channel = ChannelServer(self.loop)
+        return self.channel.address, self.channel.secret
+
     def stats(self) -> dict:
-        return {**self.loop.stats(), "calls": dict(self.calls)}
+        return {**self.loop.stats(), "calls": dict(self.calls),
+                "channel": dict(self.channel.counts) if self.channel is not None else None}
 
     def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.stop()
             self.loop = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from specray.config import ConfigError, EngineConfig
+from specray.engine_channel import ChannelBroken, ReplicaChannel
 from specray.faults import EngineUnavailable
 from specray.output_wire import OutputUnpacker
 from specray.request import PromptsRefused, RequestOutput, take_queued
@@ -77,6 +78,7 @@ class _RayCore:
         self.cursor = -1  # of the blocking callers (generate_sync), in epoch _sync_epoch
         self._sync_epoch = 0
         self._unpackers: dict[str, tuple[int, OutputUnpacker]] = {}  # by caller: (epoch, its unpacker)
+        self.channel = ReplicaChannel()  # the streams' socket to rank 0, where it shares the node
 
     def _unpack(self, caller: str, epoch: int, data: bytes) -> list[RequestOutput]:
         """Rank 0's packed outputs (``output_wire``), rebuilt against what
@@ -176,8 +178,9 @@ class _RayCore:
         for _ in range(2):
             epoch, actors = await self.group.acurrent()
             try:
-                errors = await actors.driver.submit.remote(items)
-            except self._dead as e:
+                channel = await self.channel.get(epoch, actors.driver)
+                errors = await (channel.submit(items) if channel else actors.driver.submit.remote(items))
+            except (*self._dead, ChannelBroken) as e:
                 self._lost(epoch, e)
                 continue
             if self._unavailable(errors):
@@ -187,8 +190,10 @@ class _RayCore:
         raise EngineUnavailable("the engine lost a worker twice while taking requests")
 
     async def aabort(self, ids):
-        actors = self.group.actors
+        actors, channel = self.group.actors, self.channel
         try:
+            if channel.client is not None and channel.epoch == self.group.epoch and not channel.client.broken:
+                return channel.client.abort(ids)
             await actors.driver.abort.remote(ids)
         except self._dead:
             pass  # its requests are gone with it
@@ -204,10 +209,17 @@ class _RayCore:
         if epoch is not None and epoch != live:
             raise EngineLost(epoch, "the engine lost a worker; its requests ended")
         try:
-            cursor, data = await actors.driver.get_outputs.remote(cursor, timeout)
-        except self._dead as e:
+            channel = await self.channel.get(live, actors.driver)
+            if channel is None:
+                cursor, data = await actors.driver.get_outputs.remote(cursor, timeout)
+            else:  # pushed as rank 0's loop gives them: the cursor is rank 0's writer's
+                data = await channel.outputs(timeout)
+                if data is None:
+                    return live, cursor, []
+        except (*self._dead, ChannelBroken) as e:
+            # a broken channel is rank 0's process gone: what it had sent is not asked for again
             raise self._lost(live, e) from None
-        except self.ray.exceptions.RayTaskError as e:
+        except (self.ray.exceptions.RayTaskError, RuntimeError) as e:
             if self.group.state == "closed" or "unavailable" not in str(e):
                 raise
             raise self._lost(live, e) from None
@@ -247,6 +259,7 @@ class _RayCore:
         return {**base, **stats}
 
     def shutdown(self):
+        self.channel.close()
         self.group.close().shutdown()
 
 

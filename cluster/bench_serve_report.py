@@ -160,6 +160,9 @@ def engine_counters(before: dict | None, after: dict | None, wall_s: float) -> d
             "async_gpu_ms": round(1e3 * d["async_gpu_s"] / async_steps, 4) if async_steps and d["async_gpu_s"] else None,
             "sync_step_ms": round(1e3 * (d["step_time_s"] - d["async_wall_s"]) / sync_steps, 4) if sync_steps else None,
             "cycles": cycle_deltas(before.get("cycle_costs") or {}, after.get("cycle_costs") or {}),
+            # Ray backend: rank 0's actor methods called over the point (none where the engine channel carries it)
+            "actor_calls": {k: n - (before.get("calls") or {}).get(k, 0) for k, n in after["calls"].items()}
+            if after.get("calls") else None,
             # with SPECRAY_PHASES=1 in the engine's environment: host ms per step() call by kind and function
             "phases": per_cycle(after["phases"], before.get("phases")) if after.get("phases") else None}
 

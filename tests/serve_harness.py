@@ -181,3 +181,8 @@ def deploy(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def engine_calls(stats: dict, kind: str) -> int:
+    """Rank 0's ``submit`` or ``abort`` calls: Ray calls and the replica's engine channel's frames."""
+    return stats["calls"][kind] + ((stats.get("channel") or {}).get(kind) or 0)

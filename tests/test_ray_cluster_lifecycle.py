@@ -21,7 +21,10 @@ def cluster(tmp_path_factory):
     yield from start_cluster(tmp_path_factory)
 
 
-def test_abort_mid_stream_frees_blocks_everywhere(cluster):
+@pytest.mark.parametrize("channel", ["1", "0"])
+def test_abort_mid_stream_frees_blocks_everywhere(cluster, channel, monkeypatch):
+    # SPECRAY_ENGINE_CHANNEL: the streams' socket to rank 0 (engine_channel), or Ray calls alone
+    monkeypatch.setenv("SPECRAY_ENGINE_CHANNEL", channel)
     engine = AsyncEngine.from_config(config(cluster), "ray", 2, "separate")
 
     async def run():
@@ -45,6 +48,13 @@ def test_abort_mid_stream_frees_blocks_everywhere(cluster):
             time.sleep(0.05)
         assert stats["num_unfinished"] == 0 and stats["running"] == 0
         assert all(free == cap for free, cap in stats["pools"].values()), stats["pools"]
+        calls = stats["calls"]  # rank 0's actor methods the streams called
+        if channel == "1":
+            assert engine.core.channel.client is not None
+            assert calls["submit"] == calls["abort"] == calls["get_outputs"] == 0, calls
+        else:
+            assert engine.core.channel.client is None
+            assert calls["submit"] == 2 and calls["abort"] >= 1 and calls["get_outputs"] >= 1, calls
     finally:
         rendezvous = engine.core.actors.rendezvous_dir
         engine.shutdown()

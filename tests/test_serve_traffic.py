@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from serve_harness import (API_KEY, BODY_LIMIT, LIMIT, MODEL,
+from serve_harness import (API_KEY, BODY_LIMIT, LIMIT, MODEL, engine_calls,
                            PROMPTS, REPO, deploy, grpc_stub, open_stream)
 
 ray = pytest.importorskip("ray")
@@ -92,7 +92,7 @@ def test_grpc_request_size_is_bounded_like_http(server):
     length alone rules out is refused before it reaches the engine."""
     md = [("authorization", f"Bearer {API_KEY}")]
     server.wait_idle()
-    submits = server.stats()["calls"]["submit"]
+    submits = engine_calls(server.stats(), "submit")
     channel, stub = grpc_stub(server)
     with channel:
         for request, code in [
@@ -109,7 +109,9 @@ def test_grpc_request_size_is_bounded_like_http(server):
             assert str(BODY_LIMIT) in e.value.details() or "256" in e.value.details(), e.value.details()[:200]
     status, _, body = server.request("POST", "/v1/completions", {"prompt": [5] * 300_000, "max_tokens": 2})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-    assert server.stats()["calls"]["submit"] == submits  # none of them reached the engine
+    assert engine_calls(server.stats(), "submit") == submits  # none of them reached the engine
+    status, _, body = server.request("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+    assert status == 200 and engine_calls(server.stats(), "submit") == submits + 1, body  # one that does is counted
 
 
 def test_grpc_example_client(server):
@@ -190,7 +192,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     after = server.wait_idle()
     assert after["in_flight"] == 0 and after["num_unfinished"] == 0
     assert all(free == cap for free, cap in after["pools"].values()), after["pools"]
-    assert after["calls"]["abort"] > before["calls"]["abort"]  # aborted, not run to the end
+    assert engine_calls(after, "abort") > engine_calls(before, "abort")  # aborted, not run to the end
     assert after["num_steps"] - before["num_steps"] < 150
 
     # A gRPC client cancelling mid-stream does the same. Cancelled at the
@@ -207,7 +209,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
             call.cancel()
             after2 = server.wait_idle()
             assert after2["in_flight"] == 0 and all(free == cap for free, cap in after2["pools"].values())
-            assert after2["calls"]["abort"] > after["calls"]["abort"], seed
+            assert engine_calls(after2, "abort") > engine_calls(after, "abort"), seed
             assert after2["num_steps"] - after["num_steps"] < 150, seed
             after = after2
 
@@ -320,7 +322,7 @@ def test_over_limit_gets_429_then_recovers(server):
     # every client left (the queued ones before their first byte): all aborted and freed
     st = server.wait_idle()
     assert st["in_flight"] == 0 and st["waiting"] == 0 and all(free == cap for free, cap in st["pools"].values())
-    assert st["calls"]["abort"] - before["calls"]["abort"] == LIMIT
+    assert engine_calls(st, "abort") - engine_calls(before, "abort") == LIMIT
     assert st["num_steps"] - before["num_steps"] < 150  # nobody ran to its 200 tokens
     # once the load is gone, requests go through again
     out = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
