@@ -36,7 +36,8 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   the policy speculated at 0.90x of the autoregressive engine);
 * the tokens a row emits when it verifies ``d`` drafts: ``1 + sum(S_j, j <=
   d)``, where ``S_j``, the chance that a row accepts at least ``j`` drafts,
-  is an exponentially weighted mean over the engine's recent speculative
+  is an exponentially weighted mean (a plain one over its first ~1/alpha
+  rows) of the engine's recent speculative
   rows that verified a ``j``-th draft (a shorter chain's rows still count
   for the positions they verified), kept apart for greedy and sampled
   batches (their acceptance differs by half); while the drafter rests no
@@ -118,6 +119,7 @@ class SpecPolicy:
     # (sampling kind, "tree" or "chain") -> P(a row accepts at least j drafts), j = 1 .. block_size - 1
     survival: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)
     settled: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)  # the same, SETTLED_ALPHA
+    rows_seen: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # rows behind each position's means
     since: dict[int, int] = field(default_factory=dict)  # drafts -> steps since a step verified that many
     choices: dict[int, int] = field(default_factory=dict)  # drafts -> steps that verified that many
     held: int = 0  # steps a probe still holds its kind for
@@ -234,6 +236,7 @@ class SpecPolicy:
         rows set it (None: not seen yet)."""
         s = self.survival.setdefault(key, [None] * (self.block_size - 1))
         settled = self.settled.setdefault(key, [None] * (self.block_size - 1))
+        count = self.rows_seen.setdefault(key, [0] * (self.block_size - 1))
         n = len(s)
         # rows by the drafts they verified and accepted (counted once a row,
         # not once a row and position: this runs every step, 64 rows at c=64)
@@ -250,8 +253,9 @@ class SpecPolicy:
             if not seen:
                 break  # a row verifies its drafts from the first: none saw a later one
             mean = yes / seen
-            s[j - 1] = _ewm(s[j - 1], mean, ROW_ALPHA, seen)
-            settled[j - 1] = _ewm(settled[j - 1], mean, SETTLED_ALPHA, seen)
+            s[j - 1] = _ewm(s[j - 1], mean, ROW_ALPHA, seen, count[j - 1])
+            settled[j - 1] = _ewm(settled[j - 1], mean, SETTLED_ALPHA, seen, count[j - 1])
+            count[j - 1] += seen
 
     def snapshot(self) -> dict:
         full = self.block_size - 1
@@ -278,10 +282,20 @@ def _rounded(survival: dict) -> dict:
     return {"/".join(k): [None if x is None else round(x, 4) for x in s] for k, s in survival.items()}
 
 
-def _ewm(old: float | None, mean: float, alpha: float, rows: int) -> float:
+def _ewm(old: float | None, mean: float, alpha: float, rows: int, before: int | None = None) -> float:
     """``old`` moved toward ``mean`` by ``rows`` rows of weight ``alpha``
-    (None: not seen yet, ``mean``)."""
-    return mean if old is None else old + (1 - (1 - alpha) ** rows) * (mean - old)
+    (None: not seen yet, ``mean``). ``before``: the rows behind ``old``;
+    until they are ~1/alpha the mean is every row's alike, so the first
+    rows do not stand for hundreds (a sampled row at batch 1 accepts 0 or
+    several: the settled mean began where the first row put it, 0, and
+    moved 0.25 % a row, so at c=1 T=1 on the H100 it was still below
+    break-even when a dip put the drafter to rest, and the rest lasted)."""
+    if old is None:
+        return mean
+    weight = 1 - (1 - alpha) ** rows
+    if before is not None:
+        weight = max(weight, rows / (before + rows))
+    return old + weight * (mean - old)
 
 
 def lower_median(xs) -> float:

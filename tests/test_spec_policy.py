@@ -205,6 +205,28 @@ def test_a_rest_brings_the_recent_acceptance_back_to_the_settled_one():
     assert p.survival[("greedy", "chain")] == greedy
 
 
+def test_a_cold_first_row_does_not_keep_the_drafter_asleep():
+    """At batch 1 T=1 the first sampled row accepted nothing, the next 200
+    accepted 0.9 drafts each (1.9 tokens in 1.41 ms against 1 in 1 ms:
+    speculation pays), then 60 rows of 1.1 put the drafter to rest. The
+    settled mean is the mean of those rows, not the first row's 0 moved
+    0.25 % a row (0.36: below break-even, so the rest lasted: H100, c=1 T=1,
+    5 982 of 6 090 steps autoregressive at 0.995x), and the rest ends."""
+    p = SpecPolicy(block_size=16)
+    for _ in range(CONFIRM):
+        p.observe(1, 0, 0.001, "sampled")
+    p.observe(1, 15, 0.00141, "sampled", [(0, 15)])
+    for i in range(200):
+        p.observe(1, 15, 0.00141, "sampled", [(0 if i % 10 == 0 else 1, 15)])
+    for i in range(60):
+        p.observe(1, 15, 0.00141, "sampled", [(1 if i % 10 == 0 else 0, 15)])
+    settled = p.settled[("sampled", "chain")][0]
+    assert settled == pytest.approx((180 + 6) / 261, abs=1e-9)  # every row alike
+    assert p.tokens("sampled", 15) < 1.03 * 1.41  # the dip: autoregressive steps, the drafter rests
+    step = _wakes_within(p, 1, 400, rest=True)
+    assert step is not None and step < 100
+
+
 def test_a_rest_under_load_stays_a_rest():
     """At batch 64 a speculative step costs 3.3 ms to the autoregressive
     1.6: 1.8 tokens a row lose (0.55 against 0.63 a ms) whatever the
