@@ -190,10 +190,10 @@ class _RayCore:
         raise EngineUnavailable("the engine lost a worker twice while taking requests")
 
     async def aabort(self, ids):
-        actors, channel = self.group.actors, self.channel
+        actors, channel = self.group.actors, self.channel.current(self.group.epoch)
         try:
-            if channel.client is not None and channel.epoch == self.group.epoch and not channel.client.broken:
-                return channel.client.abort(ids)
+            if channel is not None:
+                return channel.abort(ids)
             await actors.driver.abort.remote(ids)
         except self._dead:
             pass  # its requests are gone with it

@@ -179,7 +179,8 @@ class ChannelClient:
         self._waiting: dict[int, asyncio.Future] = {}
         self._outputs: asyncio.Queue = asyncio.Queue()
         self.broken: BaseException | None = None
-        self._task = asyncio.get_running_loop().create_task(self._read())
+        self.loop = asyncio.get_running_loop()
+        self._task = self.loop.create_task(self._read())
 
     @classmethod
     async def connect(cls, address: tuple[str, int], secret: bytes, timeout: float = 5.0) -> "ChannelClient":
@@ -204,8 +205,7 @@ class ChannelClient:
     async def outputs(self, timeout: float) -> bytes | None:
         """The next push, or None after ``timeout`` seconds without one;
         raises ChannelBroken, or RuntimeError with rank 0's reason when its
-        loop has ended."""
-        self._check()
+        loop has ended, once what came before is taken."""
         try:
             item = await asyncio.wait_for(self._outputs.get(), timeout)
         except asyncio.TimeoutError:
@@ -216,8 +216,20 @@ class ChannelClient:
         return item
 
     def close(self) -> None:
-        self._fail(ChannelBroken("the channel was closed"))
+        """From any thread (an engine's shutdown need not run on the loop
+        that made the channel)."""
         try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is not self.loop and self.loop.is_running():
+            self.loop.call_soon_threadsafe(self._close)
+        else:
+            self._close()
+
+    def _close(self) -> None:
+        try:
+            self._fail(ChannelBroken("the channel was closed"))
             self._task.cancel()
             self._writer.close()
         except RuntimeError:
@@ -271,6 +283,14 @@ class ReplicaChannel:
         self.client: ChannelClient | None = None
         self._loop = None
         self._lock: asyncio.Lock | None = None
+
+    def current(self, epoch: int) -> ChannelClient | None:
+        """The open channel of ``epoch`` on the running event loop, if any."""
+        client = self.client
+        if client is None or self.epoch != epoch or client.broken is not None or \
+                client.loop is not asyncio.get_running_loop():
+            return None
+        return client
 
     async def get(self, epoch: int, driver) -> ChannelClient | None:
         loop = asyncio.get_running_loop()

@@ -133,3 +133,16 @@ def test_a_server_gone_breaks_the_client_at_once(models, server):
             await client.submit([([5, 9], SamplingParams(max_tokens=2), "s")])
 
     asyncio.run(run())
+
+
+def test_close_from_another_thread_ends_a_waiting_reader(server):
+    """An engine's shutdown may run off the event loop that made its channel."""
+    async def run():
+        client = await ChannelClient.connect(server.address, server.secret)
+        waiting = asyncio.ensure_future(client.outputs(30.0))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(client.close)
+        with pytest.raises(ChannelBroken):
+            await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(run())
