@@ -117,10 +117,14 @@ def step_summary(engine, before: dict, secs: float) -> dict:
            "other_steps": sync, "other_ms_per_step": per(secs - d["async_wall_s"], sync),
            "chain_joins": d["chain_joins"]}  # requests that joined a running chain (chain_admit.py)
     if "speculative_steps" in d:
+        snap, rest = engine.policy.snapshot(), engine.rest.snapshot()
         out |= {"speculative_steps": d["speculative_steps"], "autoregressive_steps": d["autoregressive_steps"],
                 "rests": d["rests"], "rest_probe_steps": d["rest_probe_steps"], "wakes": d["wakes"],
-                "refilled_tokens": d["refilled_tokens"],
-                "policy_step_ms": engine.policy.snapshot()["step_ms"],
+                "refilled_tokens": d["refilled_tokens"], "policy_step_ms": snap["step_ms"],
+                # at the point's end: what the policy expects a row to emit (recent / settled) and the rest's state
+                "policy_tokens_per_row": snap["tokens_per_speculative_row"],
+                "policy_settled_tokens_per_row": snap["settled_tokens_per_row"],
+                "drafter_rest": {k: rest[k] for k in ("resting", "trials", "trial_after")},
                 "policy_measured": measured_summary(before["measured"], after["measured"])}
     out["cycles"] = cycle_summary(before["cycles"], after["cycles"])
     return out

@@ -263,6 +263,8 @@ class SpecPolicy:
                 "autoregressive_steps": self.choices.get(0, 0),
                 "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
                 "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k, _ in self.survival},
+                "settled_tokens_per_row": {"/".join(k): round(1 + sum(x or 0 for x in s), 4)
+                                           for k, s in self.settled.items()},
                 "survival": _rounded(self.survival), "settled_survival": _rounded(self.settled),
                 "step_ms": {step_key(n, d, full): round(1000 * t, 4) for (n, d), t in sorted(self.cost.items())},
                 "measured": {step_key(n, d, full): list(m) for (n, d), m in sorted(self.measured.items())}}

@@ -107,3 +107,21 @@ def test_oracle_rows_join_running_chains(tmp_path):
     assert p["spec_steps"]["chain_joins"] > 0
     assert p["identical_outputs"] == p["requests"] and p["oracle"]["diverged_requests"] == 0
     assert abs(p["mean_acceptance_length"] - p["expected_acceptance_length"]) < 0.25, p
+
+
+def test_an_adaptive_point_records_what_the_policy_expected_at_its_end(tmp_path):
+    """The policy's recent and settled tokens a row and the rest's state at
+    a point's end: what tells a drafter asleep for good from one that loses."""
+    import concurrency_sweep as mod
+
+    report = mod.main(["--model", "tiny-oracle", "--oracle-acceptance", "const:1.0", "--device", "cpu",
+                       "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "1", "--max-tokens", "24",
+                       "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "64", "--no-warmup",
+                       "--cuda-graphs", "--async-scheduling", "--out", str(tmp_path / "sweep.json")])
+    (p,) = report["points"]
+    steps = p["spec_steps"]
+    assert p["policy"] == "adaptive" and steps["speculative_steps"] > 0
+    # const:1.0 accepts every draft: both means see whole blocks accepted
+    assert steps["policy_settled_tokens_per_row"]["greedy/chain"] > 2
+    assert steps["policy_tokens_per_row"]["greedy"] > 2
+    assert set(steps["drafter_rest"]) == {"resting", "trials", "trial_after"}
