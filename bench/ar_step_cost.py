@@ -109,7 +109,8 @@ def main(argv=None) -> dict:
         settings = ENGINES[name]
         llm = LLM(target, None if settings is None else drafter, **common, **(settings or {}))
         prompts = [q for _, q in load_prompts(args.prompts, llm.tokenizer)]
-        report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda, args.kernels) for c in args.concurrency}
+        report["engines"][name] = {str(c): measure(llm, prompts, c, args.max_tokens, cuda, args.kernels)
+                                   for c in args.concurrency}
         llm.shutdown()
         del llm
         gc.collect()

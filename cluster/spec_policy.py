@@ -163,9 +163,7 @@ class SpecPolicy:
     def tokens(self, kind: str, drafts: int) -> float:
         """Tokens a row is expected to emit in a step verifying ``drafts``
         drafts: the bonus and each draft it accepts."""
-        s = self.survival.get(self._shape(kind, drafts), ())
-        # a position not seen yet (a speculative step's first rows set it): UNSEEN
-        return 1.0 + sum(UNSEEN if x is None else x for x in (list(s) + [None] * drafts)[:drafts])
+        return _expected_tokens(self.survival.get(self._shape(kind, drafts), ()), drafts)
 
     def resting(self, kind: str, rows: int) -> None:
         """A step of a resting drafter, ``rows`` rows of sampling ``kind``:
@@ -263,7 +261,7 @@ class SpecPolicy:
                 "autoregressive_steps": self.choices.get(0, 0),
                 "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
                 "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k, _ in self.survival},
-                "settled_tokens_per_row": {"/".join(k): round(1 + sum(x or 0 for x in s), 4)
+                "settled_tokens_per_row": {"/".join(k): round(_expected_tokens(s, full), 4)
                                            for k, s in self.settled.items()},
                 "survival": _rounded(self.survival), "settled_survival": _rounded(self.settled),
                 "step_ms": {step_key(n, d, full): round(1000 * t, 4) for (n, d), t in sorted(self.cost.items())},
@@ -278,6 +276,13 @@ def probe_every(base: int, advantage: float, budget: float = PROBE_BUDGET) -> in
     ``MAX_PROBE_EVERY`` at most."""
     loss = PROBE_STEPS * (1 - 1 / max(1.0, advantage))
     return int(min(MAX_PROBE_EVERY, max(base, loss / budget)))
+
+
+def _expected_tokens(survival, drafts: int) -> float:
+    """Tokens a row emits verifying ``drafts`` drafts at these per-position
+    survival means: the bonus and each draft it accepts (a position not
+    seen yet, which a speculative step's first rows set: UNSEEN)."""
+    return 1.0 + sum(UNSEEN if x is None else x for x in (list(survival) + [None] * drafts)[:drafts])
 
 
 def _rounded(survival: dict) -> dict:
