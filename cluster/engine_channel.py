@@ -10,8 +10,9 @@ on a loopback TCP port and the replica talks to it directly: requests and
 aborts go in as frames, and a thread in rank 0 pushes the loop's outputs as
 soon as ``EngineLoop.get_outputs`` hands them over, with the same batching
 and the same packing (``output_wire``) as the poll. Only the async front
-(the replica's streams) uses it; Ray calls stay for everything else and
-take over when the socket breaks.
+(the replica's streams) uses it; Ray calls stay for everything else. A
+socket that breaks means rank 0's process is gone: its group is rebuilt
+and the new group's rank 0 gets a channel of its own.
 
 A frame is a 4-byte big-endian length and a pickle. The replica's first
 frame is a secret it got from rank 0 through Ray, so other local processes
@@ -39,7 +40,8 @@ _MAX_FRAME = 1 << 30
 
 
 class ChannelBroken(ConnectionError):
-    """The socket to rank 0 closed or failed: the caller falls back to Ray."""
+    """The socket to rank 0 closed or failed: rank 0's process is gone, and
+    the front treats its group as lost (``async_engine._RayCore``)."""
 
 
 def frame(obj) -> bytes:
