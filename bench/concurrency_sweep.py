@@ -131,10 +131,12 @@ def step_summary(engine, before: dict, secs: float) -> dict:
 
 
 def measured_summary(before: dict, after: dict) -> dict:
-    """The steps the policy timed during the point, by padded size and kind:
-    how many and their plain mean (beside ``policy_step_ms``, its moving
+    """The steps the policy timed during the point, by sampling kind, padded
+    size and drafts: how many and their plain mean (beside ``policy_step_ms``, its moving
     means, and ``cycles``, what every cycle cost)."""
-    return {key: {"n": n, "mean_ms": round(1000 * secs / n, 3)} for key, n, (secs,) in _since(before, after)}
+    return {kind: summary for kind, m in after.items()
+            if (summary := {key: {"n": n, "mean_ms": round(1000 * secs / n, 3)}
+                            for key, n, (secs,) in _since(before.get(kind, {}), m)})}
 
 
 def cycle_summary(before: dict, after: dict) -> dict:

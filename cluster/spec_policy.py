@@ -22,7 +22,11 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   time was weighed): the lower median of its last ``COST_SAMPLES`` timed
   steps, or of those of its latest run (a probe, or the stretch it has
   been chosen for) where that is lower, each kind measured on first use
-  by running it. A median, since a cycle's wall time has a floor and a
+  by running it. Greedy and sampled batches keep costs apart, as they
+  keep acceptance apart: their steps replay other graphs and do other host
+  work (on the H100 a sweep's greedy points priced autoregressive steps at
+  padded 64 at 2.67 ms, its sampled points then read that price where such
+  steps ran at 1.3-1.6, and speculated at 0.86x of the AR engine). A median, since a cycle's wall time has a floor and a
   long tail, and a losing kind is timed only by its rare probes: on the
   H200 at c=64 T=1, moving means priced autoregressive steps at 2.23 ms
   and 4-row chains at 2.71 where such cycles ran at 1.58 and 2.01, and the
@@ -49,7 +53,9 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   together cost ~1.5 % where speculation ran at 1.97x): a kind with more
   drafts than the winner's at least ``PROBE_EVERY`` steps apart, one with fewer (autoregressive
   steps) ``AR_PROBE_EVERY``, and at those base cadences while a cost has
-  fewer than ``CONFIRM`` timed steps. A probe is ``PROBE_STEPS`` steps in a row,
+  fewer than ``CONFIRM`` timed steps or none in its last ``STALE_AFTER``
+  steps (a probe whose steps a join or a switch left untimed tells
+  nothing). A probe is ``PROBE_STEPS`` steps in a row,
   and the engine measures no step whose kind or batch size differs from
   the step applied before it or the step launched beside it: such a cycle
   carries the other kind's host work and its wait for the GPU (on the H200
@@ -92,6 +98,10 @@ PROBE_STEPS = 3
 # probes spaced by the square of their loss still cost ~3 %) ...
 PROBE_BUDGET = 0.004
 MAX_PROBE_EVERY = 512  # ... and come at least this often
+# A losing kind with no timed step in this many steps is probed at the base
+# cadence until one is timed: probes at MAX_PROBE_EVERY whose steps were not
+# timed would leave its cost as old as the batch's last change of load.
+STALE_AFTER = 2 * MAX_PROBE_EVERY
 MARGIN = 1.03  # speculate only where it is this much faster (measurement noise)
 # A position's settled acceptance: the same rows weighted this much less
 # (~400 rows). While the drafter rests (drafter_rest.py) no row tells the
@@ -115,7 +125,8 @@ class SpecPolicy:
     # (``block_size - 1``) and none (an autoregressive step): shorter chains.
     shorter: tuple[int, ...] = ()
     tree: bool = False  # the whole block holds a draft tree (the shorter ones are chains)
-    cost: dict[tuple[int, int], float] = field(default_factory=dict)  # (padded batch, drafts) -> seconds
+    # (padded batch, drafts, "greedy" or "sampled") -> seconds
+    cost: dict[tuple[int, int, str], float] = field(default_factory=dict)
     # (sampling kind, "tree" or "chain") -> P(a row accepts at least j drafts), j = 1 .. block_size - 1
     survival: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)
     settled: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)  # the same, SETTLED_ALPHA
@@ -128,10 +139,10 @@ class SpecPolicy:
     # The timed steps behind ``cost``: count and seconds, unweighted (what
     # the costs were made of: bench/concurrency_sweep.py reports it
     # beside the cycles' own costs).
-    measured: dict[tuple[int, int], list] = field(default_factory=dict)
-    recent: dict[tuple[int, int], deque] = field(default_factory=dict)  # the last COST_SAMPLES timed steps
-    run: dict[tuple[int, int], deque] = field(default_factory=dict)  # ... of the kind's latest run
-    last_timed: dict[tuple[int, int], int] = field(default_factory=dict)  # steps chosen when it was last timed
+    measured: dict[tuple[int, int, str], list] = field(default_factory=dict)
+    recent: dict[tuple[int, int, str], deque] = field(default_factory=dict)  # the last COST_SAMPLES timed steps
+    run: dict[tuple[int, int, str], deque] = field(default_factory=dict)  # ... of the kind's latest run
+    last_timed: dict[tuple[int, int, str], int] = field(default_factory=dict)  # steps chosen when it was last timed
 
     @cached_property
     def options(self) -> tuple[int, ...]:
@@ -149,7 +160,7 @@ class SpecPolicy:
         else:
             drafts, probe = self._choose(n_padded, kind)
             self.held, self.holding = (PROBE_STEPS - 1 if probe else 0), drafts
-            self.exploring = probe or (n_padded, drafts) not in self.cost
+            self.exploring = probe or (n_padded, drafts, _kind(kind)) not in self.cost
         for d in self.options:
             self.since[d] = 0 if d == drafts else self.since.get(d, 0) + 1
         self.choices[drafts] = self.choices.get(drafts, 0) + 1
@@ -176,10 +187,11 @@ class SpecPolicy:
 
     def _choose(self, n: int, kind: str) -> tuple[int, bool]:
         """(drafts, whether it is a probe)."""
+        cost = {d: self.cost.get((n, d, _kind(kind))) for d in self.options}
         for d in self.options:  # each kind is measured on first use, the whole block first
-            if (n, d) not in self.cost:
+            if cost[d] is None:
                 return d, False
-        rate = {d: self.tokens(kind, d) / self.cost[(n, d)] for d in self.options}
+        rate = {d: self.tokens(kind, d) / cost[d] for d in self.options}
         # speculate only where it beats autoregressive steps by MARGIN
         best = max((d for d in self.options if d == 0 or rate[d] > MARGIN * rate[0]), key=rate.get)
         # The losing kinds are probed now and then (the batch's load changes
@@ -190,10 +202,12 @@ class SpecPolicy:
         # cadence: its first step ran where the batch size first came, and a
         # cold reading of a loser would stand until its rare probes.
         share = PROBE_BUDGET / (len(self.options) - 1)
+        now = sum(self.choices.values())
 
         def gap(d: int) -> int:
             base = PROBE_EVERY if d > best else AR_PROBE_EVERY
-            if len(self.recent.get((n, d), ())) < CONFIRM:
+            key = (n, d, _kind(kind))
+            if len(self.recent.get(key, ())) < CONFIRM or now - self.last_timed[key] > STALE_AFTER:
                 return base
             return probe_every(base, rate[best] / rate[d], share)
 
@@ -207,7 +221,7 @@ class SpecPolicy:
         """A finished step that verified ``drafts`` drafts a row: its time,
         and (speculative) its rows' (drafts accepted, drafts verified)."""
         if seconds > 0:
-            key = (n_padded, drafts)
+            key = (n_padded, drafts, _kind(kind))
             m = self.measured.setdefault(key, [0, 0.0])
             m[0], m[1] = m[0] + 1, m[1] + seconds
             recent = self.recent.setdefault(key, deque(maxlen=COST_SAMPLES))
@@ -264,8 +278,8 @@ class SpecPolicy:
                 "settled_tokens_per_row": {"/".join(k): round(_expected_tokens(s, full), 4)
                                            for k, s in self.settled.items()},
                 "survival": _rounded(self.survival), "settled_survival": _rounded(self.settled),
-                "step_ms": {step_key(n, d, full): round(1000 * t, 4) for (n, d), t in sorted(self.cost.items())},
-                "measured": {step_key(n, d, full): list(m) for (n, d), m in sorted(self.measured.items())}}
+                "step_ms": _by_kind(self.cost, full, lambda t: round(1000 * t, 4)),
+                "measured": _by_kind(self.measured, full, list)}
 
 
 def probe_every(base: int, advantage: float, budget: float = PROBE_BUDGET) -> int:
@@ -283,6 +297,14 @@ def _expected_tokens(survival, drafts: int) -> float:
     survival means: the bonus and each draft it accepts (a position not
     seen yet, which a speculative step's first rows set: UNSEEN)."""
     return 1.0 + sum(UNSEEN if x is None else x for x in (list(survival) + [None] * drafts)[:drafts])
+
+
+def _by_kind(costs: dict, full: int, value) -> dict:
+    """``{"greedy": {"8s": ...}, "sampled": {...}}`` of a dict keyed (padded, drafts, kind)."""
+    out = {}
+    for (n, d, kind), v in sorted(costs.items()):
+        out.setdefault(kind, {})[step_key(n, d, full)] = value(v)
+    return out
 
 
 def _rounded(survival: dict) -> dict:

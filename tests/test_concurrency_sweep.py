@@ -3,6 +3,7 @@ tiny random pair in oracle-acceptance mode (the H200 run takes the
 Qwen3-8B shape and the embedded pair into the same file)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -61,14 +62,17 @@ def test_oracle_sweep_writes_labelled_points_and_merges(tmp_path, capsys):
 
     # The adaptive policy's points go beside the fixed ones: lossless too.
     report = mod.main(["--model", "tiny-oracle", "--oracle-acceptance", "const:1.0", "--device", "cpu",
-                       "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "2", "--max-tokens", "12",
-                       "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "64", "--no-warmup",
-                       "--cuda-graphs", "--async-scheduling", "--out", str(out)])
+                       "--ckpt-dir", str(tmp_path / "ckpt"), "--concurrency", "2", "--max-tokens", "100",
+                       "--min-requests", "2", "--prompt-len", "8", "--max-model-len", "128", "--no-warmup",
+                       "--cuda-graphs", "--async-scheduling", "--out", str(out)])  # enough steps for timed ones
     adaptive = [p for p in report["points"] if p["model"] == "tiny-oracle" and p["policy"] == "adaptive"]
     assert [p["concurrency"] for p in adaptive] == [2] and adaptive[0]["identical_outputs"] == adaptive[0]["requests"]
     # the steps the policy timed in the point: counts and plain means, by padded size and kind
-    for key, m in adaptive[0]["spec_steps"]["policy_measured"].items():
-        assert key[-1] in "as" and m["n"] > 0 and m["mean_ms"] > 0
+    measured = adaptive[0]["spec_steps"]["policy_measured"]
+    assert set(measured) == {"greedy"}  # the point's rows are greedy: no sampled step was timed
+    assert measured["greedy"]
+    for key, m in measured["greedy"].items():
+        assert re.fullmatch(r"2(a|s\d*)", key) and m["n"] > 0 and m["mean_ms"] > 0
     assert report["runs"]["tiny-oracle@const:1.0"]["spec_features"]["adaptive_speculation"]["on"]
     assert [p for p in report["points"] if p["policy"] == "fixed"] == mine
 

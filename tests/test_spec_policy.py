@@ -12,12 +12,23 @@ from joint_sampling import pooled_chi2_p, sampled_triples
 from specray import LLM, SamplingParams
 from specray.async_decode import AsyncSteps, InflightStep
 from specray.spec_policy import (AR_PROBE_EVERY, CONFIRM, COST_SAMPLES, MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_EVERY, PROBE_STEPS,
-                                 ROW_ALPHA, SpecPolicy, probe_every)
+                                 ROW_ALPHA, STALE_AFTER, SpecPolicy, probe_every)
 
 def rows_of(tokens: float, n: int = 50) -> list[tuple[int, int]]:
     """``n`` rows (drafts accepted, 15 verified) that emit ``tokens`` a row on average."""
     total = round(n * (tokens - 1))
     return [(total // n + (i < total % n), 15) for i in range(n)]
+
+
+def timed_choices(p: SpecPolicy, n: int, kind: str, steps: int, seconds: dict[int, float]) -> list[int]:
+    """``steps`` choices, each step timed as the engine times it: only
+    between two steps of its kind (``test_a_step_after_another_kind_is_not_timed``)."""
+    picks = []
+    for _ in range(steps):
+        picks.append(p.choose(n, kind))
+        if len(picks) >= 3 and picks[-3] == picks[-2] == picks[-1]:
+            p.observe(n, picks[-2], seconds[picks[-2]], kind)
+    return picks
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 10, 42], [3, 4], list(range(2, 40)), [7] * 15, [11, 12, 13]]
@@ -48,12 +59,12 @@ def test_one_slow_first_measurement_does_not_keep_speculation_off():
     p.observe(2, 0, 0.00094, "greedy")
     assert not p.choose(2, "greedy")
     p.observe(2, 15, 0.0016, "greedy", rows_of(2.9))  # the next probe finds what such a step costs
-    assert p.cost[(2, 15)] == 0.0016
+    assert p.cost[(2, 15, "greedy")] == 0.0016
     assert p.choose(2, "greedy")  # 2.9 tokens in 1.6 ms beat 1 in 0.94 ms
     p.observe(2, 15, 0.0024, "greedy", rows_of(2.9))  # the cost is the lower median of the last steps
-    assert p.cost[(2, 15)] == 0.0024
+    assert p.cost[(2, 15, "greedy")] == 0.0024
     # what the medians were made of: every timed step, unweighted
-    assert p.snapshot()["measured"] == {"2a": [1, 0.00094], "2s": [3, pytest.approx(0.0116 + 0.0016 + 0.0024)]}
+    assert p.snapshot()["measured"] == {"greedy": {"2a": [1, 0.00094], "2s": [3, pytest.approx(0.0116 + 0.0016 + 0.0024)]}}
 
 
 def test_a_slow_probe_does_not_move_a_kinds_cost_and_a_changed_cost_is_followed():
@@ -65,11 +76,11 @@ def test_a_slow_probe_does_not_move_a_kinds_cost_and_a_changed_cost_is_followed(
     for _ in range(COST_SAMPLES):
         p.observe(64, 0, 0.0015, "sampled")
     p.observe(64, 0, 0.0060, "sampled")  # one slow cycle: 4x
-    assert p.cost[(64, 0)] == 0.0015
+    assert p.cost[(64, 0, "sampled")] == 0.0015
     p.observe(64, 0, 0.0060, "sampled")
-    assert p.cost[(64, 0)] == 0.0015
+    assert p.cost[(64, 0, "sampled")] == 0.0015
     p.observe(64, 0, 0.0030, "sampled")  # the step now costs 3 ms: 3 of the last 5 at 3 ms or more
-    assert p.cost[(64, 0)] == 0.0030
+    assert p.cost[(64, 0, "sampled")] == 0.0030
     # the choice follows: 1.7 tokens a row in 2 ms against 1 in 1.5 ms speculates, against 1 in 3 ms too
     p.observe(64, 15, 0.0020, "sampled", rows_of(1.7))
     for _ in range(COST_SAMPLES):
@@ -112,7 +123,7 @@ def test_a_cold_first_cost_of_the_losing_kind_is_confirmed_soon():
     picks = [p.choose(64, "sampled") for _ in range(AR_PROBE_EVERY + PROBE_STEPS)]
     assert picks[AR_PROBE_EVERY:] == [0] * PROBE_STEPS and 0 not in picks[:AR_PROBE_EVERY]
     p.observe(64, 0, 0.0013, "sampled")  # the probe's timed step: the lower median of two
-    assert p.cost[(64, 0)] == 0.0013
+    assert p.cost[(64, 0, "sampled")] == 0.0013
     assert not p.choose(64, "sampled")  # 1 token in 1.3 ms beats 1.75 in 2.5
 
 
@@ -130,15 +141,15 @@ def test_a_losing_kinds_stale_cost_gives_way_to_its_next_cheaper_probe():
     picks = [p.choose(32, "sampled") for _ in range(AR_PROBE_EVERY)]
     assert set(picks) == {7}  # 1.8 tokens in 2.3 ms beat 1 in 2.14
     p.observe(32, 0, 0.0012, "sampled")  # a probe's timed step, a run of its own
-    assert p.cost[(32, 0)] == 0.0012
+    assert p.cost[(32, 0, "sampled")] == 0.0012
     assert p.choose(32, "sampled") == 0  # 1 token in 1.2 ms beats 1.8 in 2.3
     # one slow step of the run does not bring the old price back; a run of them moves the cost
     p.observe(32, 0, 0.0040, "sampled")
-    assert p.cost[(32, 0)] == 0.0012
+    assert p.cost[(32, 0, "sampled")] == 0.0012
     for _ in range(2):
         p.choose(32, "sampled")
         p.observe(32, 0, 0.0040, "sampled")
-    assert p.cost[(32, 0)] == 0.0040
+    assert p.cost[(32, 0, "sampled")] == 0.0040
 
 
 def test_a_noisy_sampled_row_does_not_turn_speculation_off_at_batch_1():
@@ -242,13 +253,52 @@ def test_policy_probes_while_autoregressive():
     p.observe(4, 0, 0.001, "greedy")
     every = probe_every(PROBE_EVERY, 1 / (1.1 * 0.001 / 0.01))  # speculation 9x slower: rare probes
     assert every == MAX_PROBE_EVERY
-    picks = [p.choose(4, "greedy") for _ in range(3 * (every + PROBE_STEPS))]
+    picks = []
+    for _ in range(3 * (every + PROBE_STEPS)):
+        picks.append(p.choose(4, "greedy"))
+        if picks[-3:] == [0, 15, 15]:
+            p.observe(4, 15, 0.01, "greedy", rows_of(1.1))  # a probe's middle step is timed (the engine's rule)
     assert picks == ([0] * every + [15] * PROBE_STEPS) * 3
     # probes that find cheap steps and high acceptance turn speculation on
     for _ in range(20):
         p.observe(4, 15, 0.001, "greedy", rows_of(8.0))
     p.since[15] = 0
     assert p.choose(4, "greedy")
+
+
+def test_a_losing_kind_whose_probes_were_not_timed_is_probed_at_the_base_cadence():
+    """A probe tells nothing when a join or a switch leaves its steps
+    untimed: a cost not timed for STALE_AFTER steps is probed as often as
+    an unconfirmed one until a step of it is timed, then at the budget's
+    spacing again."""
+    p = SpecPolicy(block_size=16)
+    for _ in range(CONFIRM):
+        p.observe(64, 15, 0.0025, "sampled", rows_of(1.75))
+        p.observe(64, 0, 0.0030, "sampled")  # stale: 1.75 tokens in 2.5 ms beat 1 in 3 ms
+    every = probe_every(AR_PROBE_EVERY, p.tokens("sampled", 15) * 0.0030 / 0.0025)
+    assert every > 4 * AR_PROBE_EVERY
+    picks = [p.choose(64, "sampled") for _ in range(STALE_AFTER + every)]  # no probe is timed
+    ar_at = [i for i, d in enumerate(picks) if d == 0]
+    starts = [i for i in ar_at if i - 1 not in ar_at]
+    assert starts[0] == every and starts[1] - starts[0] == every + PROBE_STEPS  # the budget's spacing ...
+    late = [b - a for a, b in zip(starts, starts[1:]) if a > STALE_AFTER + PROBE_STEPS]
+    assert late and set(late) == {AR_PROBE_EVERY + PROBE_STEPS}  # ... until no step was timed for STALE_AFTER
+    p.observe(64, 0, 0.0013, "sampled")  # a probe is timed: cheaper, so the AR steps win
+    assert p.choose(64, "sampled") == 0
+
+
+def test_greedy_and_sampled_batches_keep_costs_apart():
+    """A greedy stretch's price of a step must not stand for sampled
+    batches (H100 sweep: the T=0 points priced AR steps at padded 64 at
+    2.67 ms, the T=1 points then speculated at 0.86x of the AR engine)."""
+    p = SpecPolicy(block_size=16)
+    for _ in range(CONFIRM):
+        p.observe(64, 15, 0.0028, "greedy", rows_of(2.5))
+        p.observe(64, 0, 0.0027, "greedy")
+    p.observe(64, 15, 0.0028, "sampled", rows_of(1.75))
+    assert p.choose(64, "sampled") == 0  # sampled AR steps are not priced yet: measured on first use
+    p.observe(64, 0, 0.0014, "sampled")
+    assert p.choose(64, "sampled") == 0 and p.choose(64, "greedy") == 15
 
 
 def test_probes_of_the_losing_kind_are_rarer_the_more_it_loses():
@@ -284,7 +334,7 @@ def test_the_losing_kinds_probes_together_cost_the_budget():
     p.survival[("greedy", "chain")] = [0.5, 0.25, 0.16] + [0.0] * 12  # ~1.9 tokens from 3 or 7 drafts
     p.survival[("greedy", "tree")] = [0.8, 0.5, 0.3, 0.2, 0.08] + [0.0] * 10  # 2.88 from the block
     p.tree = True
-    picks = [p.choose(1, "greedy") for _ in range(20000)]
+    picks = timed_choices(p, 1, "greedy", 20000, {d: t / 1000 for d, t in step_ms.items()})
     assert {15, 7, 3, 0} == set(picks)
     best = emits[15] / step_ms[15]
     tokens, ms = sum(emits[d] for d in picks), sum(step_ms[d] for d in picks)
@@ -315,16 +365,16 @@ def test_a_step_after_another_kind_is_not_timed():
     cycle(True, 0.004)  # a chain's first step: not timed, its tokens counted
     assert eng.policy.cost == {} and eng.policy.tokens("greedy", 15) == 2.5
     cycle(True, 0.004)
-    assert eng.policy.cost == {(8, 15): pytest.approx(0.004)}
+    assert eng.policy.cost == {(8, 15, "greedy"): pytest.approx(0.004)}
     cycle(True, 0.002, launched=False)  # its launch was an AR step's, not a speculative one's
-    assert eng.policy.cost == {(8, 15): pytest.approx(0.004)}
+    assert eng.policy.cost == {(8, 15, "greedy"): pytest.approx(0.004)}
     cycle(False, 0.009)  # follows a speculative step
-    assert (8, 0) not in eng.policy.cost
+    assert (8, 0, "greedy") not in eng.policy.cost
     cycle(False, 0.0015)
-    assert eng.policy.cost[(8, 0)] == pytest.approx(0.0015)
+    assert eng.policy.cost[(8, 0, "greedy")] == pytest.approx(0.0015)
     cycle(False, 0.0035, launched=True)  # the probe's last step launches the other kind: not timed
     cycle(True, 0.006)  # follows an AR step
-    assert eng.policy.cost == {(8, 15): pytest.approx(0.004), (8, 0): pytest.approx(0.0015)}
+    assert eng.policy.cost == {(8, 15, "greedy"): pytest.approx(0.004), (8, 0, "greedy"): pytest.approx(0.0015)}
 
 
 def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
@@ -345,13 +395,15 @@ def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
     for d, ms in ((15, 1.25), (7, 1.22), (3, 1.2), (0, 1.0)):  # batch 1
         p.observe(1, d, ms / 1000, "greedy")
     assert p.choose(1, "greedy") == 15
-    p.observe(1, 15, 0.00125, "sampled", [(0, 15)] * 9 + [(1, 15)])  # sampled rows accept little: 1.1 tokens
+    for d, ms in ((15, 1.25), (7, 1.22), (3, 1.2), (0, 1.0)):  # sampled steps cost their own
+        p.observe(1, d, ms / 1000, "sampled", [(0, d)] * 9 + [(1, d)] if d else None)  # and accept little: 1.1 tokens
     assert p.choose(1, "sampled") == 0
     # the losing shorter chain is probed too, and a probe holds its kind
     picks = [p.choose(32, "greedy") for _ in range(1000)]
     assert {15, 3, 0} <= set(picks) and picks.count(7) > 900
     snap = p.snapshot()
-    assert snap["step_ms"]["32s7"] == 6.5 and snap["step_ms"]["32s"] == 12.0 and snap["step_ms"]["32a"] == 3.5
+    greedy = snap["step_ms"]["greedy"]
+    assert greedy["32s7"] == 6.5 and greedy["32s"] == 12.0 and greedy["32a"] == 3.5
     # where the whole block is a draft tree, the shorter chains' acceptance is their own
     p = SpecPolicy(block_size=16, shorter=(7,), tree=True)
     p.observe(8, 15, 0.002, "greedy", [(6, 15)] * 10)
