@@ -6,18 +6,23 @@ layer as a step replays it, over
 
 * ``num_blocks``: the pool's size, which sets how far apart a layer's K
   and V and consecutive layers lie (the cache is ``[layers, 2, num_blocks,
-  16, kv_heads, head_dim]``); ``--from-engines`` adds the sizes the
-  autoregressive and the speculative engine give themselves at
-  ``--gpu-memory-utilization`` (both resident, as in the sweep);
+  16, kv_heads, head_dim]``);
 * the block tables: ``lockstep`` (rows that cross into a new block
   together: a row's blocks 64 apart), ``contiguous`` (a row's blocks in a
   run) and ``shuffled``.
+
+``--engines``: instead, the inputs two engines' own steps give the kernel
+at ``--rows`` (the autoregressive engine and the speculative one forced to
+autoregressive steps, its drafter resting, as bench/ar_step_cost.py runs
+them; both resident): after ``--after`` steps of a closed loop, each
+engine's KV cache, row lengths and tables are timed as they are and with
+the other engine's tables and lengths on its cache.
 
 On the H100 at c=64 the speculative engine's resting autoregressive steps
 spent 0.33 ms a step in this kernel where the autoregressive engine's
 identical steps spent 0.27 (results/h100_ar_step_cost.json).
 
-    python bench/kv_layout.py --out results/h100_kv_layout.json [--from-engines]
+    python bench/kv_layout.py --out results/h100_kv_layout.json [--engines]
 """
 
 from __future__ import annotations
@@ -94,22 +99,32 @@ def step_ms(kv: torch.Tensor, tables: torch.Tensor, lens: list[int], reps: int) 
     return round(sorted(times)[len(times) // 2], 4)
 
 
-def engine_blocks(util: float) -> dict:
-    """The KV pools the AR and the speculative engine give themselves,
-    both resident (the sweep's setting)."""
-    from specray import LLM
+def engine_inputs(rows: int, after: int) -> dict:
+    """name -> (kv_cache, row lengths, tables) of each engine's
+    autoregressive step graph after ``after`` steps of ``rows`` requests."""
+    from specray import LLM, SamplingParams
+    from specray.bench import load_prompts
     from specray.cli import resolve_models
 
     target, drafter = resolve_models(argparse.Namespace(target=None, drafter=None, no_drafter=False))
-    kw = dict(device="cuda", gpu_memory_utilization=util, max_num_seqs=64)
-    ar = LLM(target, None, **kw)
-    spec = LLM(target, drafter, **kw)
-    out = {name: int(getattr(llm.engine.target, "worker", llm.engine.target).kv_cache.shape[2])
-           for name, llm in (("ar", ar), ("spec", spec))}
-    for llm in (ar, spec):
-        llm.shutdown()
-    del ar, spec
-    torch.cuda.empty_cache()
+    kw = dict(device="cuda", gpu_memory_utilization=0.4, max_num_seqs=rows, cuda_graphs=True, async_scheduling=True)
+    params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True, seed=0)
+    out = {}
+    for name, extra in (("ar", None), ("spec_rest", {"extra": {"policy_turns": [0]}})):
+        llm = LLM(target, drafter if extra else None, **kw, **(extra or {}))
+        prompts = [q for _, q in load_prompts(str(Path(__file__).resolve().parents[1] / "data/prompts/eval.jsonl"),
+                                              llm.tokenizer)]
+        eng = llm.engine
+        for i in range(rows):
+            eng.add_request(prompts[i % len(prompts)], params, request_id=f"{name}-{i}")
+        for _ in range(after):
+            eng.step()
+        torch.cuda.synchronize()
+        (key, graphs), = [(k, g) for k, g in eng._step_graphs.items() if "ar" in k and (extra is None or "rest" in k)]
+        start = graphs.buffers["start"][:rows].clone()
+        tables = graphs.buffers["target_tables"][:rows].clone()
+        kv = getattr(eng.target, "worker", eng.target).kv_cache
+        out[name] = (kv, (start + 1).tolist(), tables, str(key), llm)
     return out
 
 
@@ -118,19 +133,28 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--num-blocks", type=int, nargs="+", default=[8192, 16384, 24000, 32768, 40000, 49152, 65536])
     p.add_argument("--layouts", nargs="+", default=["lockstep", "contiguous", "shuffled"])
-    p.add_argument("--from-engines", action="store_true")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--engines", action="store_true", help="the engines' own inputs (see above)")
+    p.add_argument("--after", type=int, default=64, help="--engines: steps before the inputs are taken")
     p.add_argument("--out")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     lens = (torch.randint(120, 360, (args.rows,), generator=gen)).tolist()
     report = {"command": "python bench/kv_layout.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": torch.cuda.get_device_name(), "rows": args.rows, "lens": lens, "points": []}
+    if args.engines:
+        got = engine_inputs(args.rows, args.after)
+        for kv_of, (kv, _, _, _, _) in got.items():
+            for rows_of, (_, lens_, tables, key, _) in got.items():
+                ms = step_ms(kv, tables.cpu(), lens_, args.reps)
+                point = {"kv_cache_of": kv_of, "lens_and_tables_of": rows_of, "graph": key,
+                         "num_blocks": int(kv.shape[2]), "mean_len": round(sum(lens_) / len(lens_), 1),
+                         "max_len": max(lens_), "attention_ms_per_step": ms}
+                report["points"].append(point)
+                print(point, flush=True)
+        write_report(args.out, report)
+        return report
     sizes = list(args.num_blocks)
-    if args.from_engines:
-        report["engine_num_blocks"] = engine_blocks(args.gpu_memory_utilization)
-        sizes = sorted(set(sizes) | set(report["engine_num_blocks"].values()))
     need = sum(-(-n // BLOCK) for n in lens) + 1
     for nb in sizes:
         if nb < need:

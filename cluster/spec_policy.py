@@ -236,6 +236,11 @@ class SpecPolicy:
         if drafts and rows:
             self._observe_acceptance(self._shape(kind, drafts), rows)
 
+    def _longest(self, shape: str) -> int:
+        """The most drafts a step of this shape verifies (with a tree, the
+        chains are the shorter ones: their later positions are never seen)."""
+        return self.options[1] if shape == "chain" and self.tree and len(self.options) > 2 else self.block_size - 1
+
     def _shape(self, kind: str, drafts: int) -> tuple[str, str]:
         """A tree accepts more at each depth than a chain: their acceptance is kept apart."""
         return _kind(kind), "tree" if self.tree and drafts == self.block_size - 1 else "chain"
@@ -275,7 +280,7 @@ class SpecPolicy:
                 "autoregressive_steps": self.choices.get(0, 0),
                 "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
                 "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k, _ in self.survival},
-                "settled_tokens_per_row": {"/".join(k): round(_expected_tokens(s, full), 4)
+                "settled_tokens_per_row": {"/".join(k): round(_expected_tokens(s, self._longest(k[1])), 4)
                                            for k, s in self.settled.items()},
                 "survival": _rounded(self.survival), "settled_survival": _rounded(self.settled),
                 "step_ms": _by_kind(self.cost, full, lambda t: round(1000 * t, 4)),

@@ -410,6 +410,8 @@ def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
     assert p.tokens("greedy", 15) == 7 and p.tokens("greedy", 7) == 1 + 0.5 * 7  # no chain seen yet
     p.observe(8, 7, 0.002, "greedy", [(2, 7)] * 10)
     assert p.tokens("greedy", 7) == 3 and p.tokens("greedy", 15) == 7
+    # the snapshot's settled expectation of chains stops at the longest chain (positions past it are never seen)
+    assert p.snapshot()["settled_tokens_per_row"] == {"greedy/tree": 7, "greedy/chain": 3}
 
 
 @pytest.fixture(scope="module")
