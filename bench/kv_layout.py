@@ -120,7 +120,8 @@ def engine_inputs(rows: int, after: int) -> dict:
         for _ in range(after):
             eng.step()
         torch.cuda.synchronize()
-        (key, graphs), = [(k, g) for k, g in eng._step_graphs.items() if "ar" in k and (extra is None or "rest" in k)]
+        # an engine without a drafter has one kind of step; the other's resting AR steps are ("ar", "rest")
+        (key, graphs), = [(k, g) for k, g in eng._step_graphs.items() if extra is None or "rest" in k]
         start = graphs.buffers["start"][:rows].clone()
         tables = graphs.buffers["target_tables"][:rows].clone()
         kv = getattr(eng.target, "worker", eng.target).kv_cache
