@@ -151,9 +151,9 @@ class EngineConfig:
     # where async steps run.
     adaptive_speculation: bool | None = None
     # The adaptive policy may also verify chains of the drafter's block
-    # halved while it keeps this many rows (16 -> 8, 4; the block size: off):
+    # halved while it keeps this many rows (16 -> 8, 4, 2; the block size: off):
     # the later drafts are the ones rejected.
-    shortest_verify_block: int = 4
+    shortest_verify_block: int = 2
     # While the policy keeps choosing autoregressive steps, run the
     # autoregressive engine's own step and rebuild the drafter's context
     # when speculation resumes (drafter_rest.py).
