@@ -166,20 +166,20 @@ def test_gpu_sampled_async_steps_match_cpu(ckpt, drafter):
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "tree"])
 def test_gpu_shorter_chains_match_cpu(ckpt, tree, monkeypatch):
     """The adaptive policy's shorter chains (forced to take turns with whole
-    blocks and autoregressive steps) replay graphs of 8- and 4-row blocks:
+    blocks and autoregressive steps) replay graphs of 8-, 4- and 2-row blocks:
     the greedy tokens are the CPU's autoregressive ones."""
     import itertools
 
     from specray.spec_policy import SpecPolicy
 
-    turns = itertools.cycle([15, 7, 3, 0])
+    turns = itertools.cycle([15, 7, 3, 1, 0])
     monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(turns))
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     llm = LLM(ckpt / "t", ckpt / "d", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512,
               cuda_graphs=True, async_scheduling=True, adaptive_speculation=True, draft_tree=tree)
-    assert llm.engine.policy.options == (15, 7, 3, 0)
+    assert llm.engine.policy.options == (15, 7, 3, 1, 0)
     gpu = llm.generate(PROMPTS, greedy)
-    assert {("greedy", 0, 8), ("greedy", 0, 4), ("greedy", 0, "ar")} <= set(llm.engine._step_graphs)
+    assert {("greedy", 0, 8), ("greedy", 0, 4), ("greedy", 0, 2), ("greedy", 0, "ar")} <= set(llm.engine._step_graphs)
     assert [o.token_ids for o in gpu] == generate(ckpt, False, "cpu", "float32", greedy)
 
 

@@ -157,7 +157,7 @@ def test_adaptive_autoregressive_steps_and_shorter_chains_keep_the_oracle_exact(
     monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: chosen.append(next(flips)) or chosen[-1])
     ps, params, ar = recorded
     eng = engine(models, drafter=True, async_=True, adaptive_speculation=True)
-    assert eng.policy is not None and eng.policy.options == (B - 1, 3, 0)
+    assert eng.policy is not None and eng.policy.options == (B - 1, 3, 1, 0)
     oracle = Oracle("const:0.8", eng.target_spec.vocab_size)
     oracle.record_outputs(ar)
     install_oracle(eng, oracle)

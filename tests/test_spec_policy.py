@@ -428,7 +428,9 @@ def adaptive(models, **kw):
 def test_adaptive_greedy_is_autoregressive(models, lanes):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     want = [o.token_ids for o in LLM(models / "t", None).generate(PROMPTS, params)]
-    llm = adaptive(models, **(dict(overlap=True, overlap_min_batch=2) if lanes else {}))
+    # chains of 4 rows at the shortest: each kind is measured on first use, and
+    # these requests end within ~30 steps (test_shorter_chains_... runs 1-draft chains)
+    llm = adaptive(models, shortest_verify_block=4, **(dict(overlap=True, overlap_min_batch=2) if lanes else {}))
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == want
     snap = llm.engine.policy.snapshot()
@@ -443,16 +445,16 @@ def test_shorter_chains_give_the_autoregressive_tokens(models, lookups, tree, mo
     """Greedy steps taking turns between the whole block (a chain or a
     draft tree), a shorter chain and an autoregressive step (forced) emit
     the target's tokens."""
-    turns = itertools.cycle([7, 3, 3, 0])
+    turns = itertools.cycle([7, 3, 1, 0])
     monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, kind: next(turns))
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     want = [o.token_ids for o in LLM(models / "t", None).generate(PROMPTS, params)]
     llm = adaptive(models, draft_tree=tree, prompt_lookup_min=lookups)
-    assert llm.engine.policy.options == (7, 3, 0) and (llm.engine.tree is not None) == tree
-    assert llm.engine.features()["adaptive_speculation"]["drafts"] == [7, 3, 0]
+    assert llm.engine.policy.options == (7, 3, 1, 0) and (llm.engine.tree is not None) == tree
+    assert llm.engine.features()["adaptive_speculation"]["drafts"] == [7, 3, 1, 0]
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == want
-    # A step verified 7, 3, 3 and 0 drafts in turn (fewer near max_tokens): with
+    # A step verified 7, 3, 1 and 0 drafts in turn (fewer near max_tokens): with
     # every step a whole block's, rows would have verified ~7 a step.
     steps = sum(len(o.metrics.acceptance_lengths) for o in got)
     assert 0 < sum(o.metrics.num_draft_tokens for o in got) < 0.6 * 7 * steps
