@@ -26,8 +26,8 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   keep acceptance apart: their steps replay other graphs and do other host
   work (on the H100 a sweep's greedy points priced autoregressive steps at
   padded 64 at 2.67 ms, its sampled points then read that price where such
-  steps ran at 1.3-1.6, and speculated at 0.86x of the AR engine). A median, since a cycle's wall time has a floor and a
-  long tail, and a losing kind is timed only by its rare probes: on the
+  steps ran at 1.3-1.6, and speculated at 0.86x of the AR engine). A
+  median, since a cycle's wall time has a floor and a long tail, and a losing kind is timed only by its rare probes: on the
   H200 at c=64 T=1, moving means priced autoregressive steps at 2.23 ms
   and 4-row chains at 2.71 where such cycles ran at 1.58 and 2.01, and the
   policy verified 8-row chains at 0.93x of the autoregressive engine. The
@@ -131,7 +131,10 @@ class SpecPolicy:
     survival: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)
     settled: dict[tuple[str, str], list[float | None]] = field(default_factory=dict)  # the same, SETTLED_ALPHA
     rows_seen: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # rows behind each position's means
-    since: dict[int, int] = field(default_factory=dict)  # drafts -> steps since a step verified that many
+    # (padded batch, drafts) -> steps of that batch size since one verified that
+    # many: a size the batch passes through (a drain, 64 to 1 rows) starts
+    # at 0, so its kinds are not probed on arrival for the steps elsewhere
+    since: dict[tuple[int, int], int] = field(default_factory=dict)
     choices: dict[int, int] = field(default_factory=dict)  # drafts -> steps that verified that many
     held: int = 0  # steps a probe still holds its kind for
     holding: int = 0  # the probe's draft count
@@ -162,7 +165,8 @@ class SpecPolicy:
             self.held, self.holding = (PROBE_STEPS - 1 if probe else 0), drafts
             self.exploring = probe or (n_padded, drafts, _kind(kind)) not in self.cost
         for d in self.options:
-            self.since[d] = 0 if d == drafts else self.since.get(d, 0) + 1
+            key = (n_padded, d)
+            self.since[key] = 0 if d == drafts else self.since.get(key, 0) + 1
         self.choices[drafts] = self.choices.get(drafts, 0) + 1
         return drafts
 
@@ -211,7 +215,7 @@ class SpecPolicy:
                 return base
             return probe_every(base, rate[best] / rate[d], share)
 
-        due = [d for d in self.options if d != best and self.since.get(d, 0) >= gap(d)]
+        due = [d for d in self.options if d != best and self.since.get((n, d), 0) >= gap(d)]
         if due:
             return max(due, key=rate.get), True
         return best, False
