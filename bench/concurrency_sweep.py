@@ -58,12 +58,16 @@ from scaling_sweep import SHAPES, random_checkpoints  # random checkpoints of re
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CaptureCounter, GcWatch
+from sweep_plot import plot, policy_of
 
 from specray import LLM, SamplingParams
 from specray.engine_loop import freeze_startup_heap
 from specray.oracle import ORACLE_ENGINE_SETTINGS, Oracle, OracleStats, get_profile, install_oracle
 
 MODELS = ["embedded"] + [f"{shape}-oracle" for shape in sorted(SHAPES)]
+# A repeat's speculative steps, kept per run: what a run far from the others did.
+RUN_STEP_FIELDS = ("steps", "speculative_steps", "autoregressive_steps", "rests", "wakes", "chain_joins",
+                   "other_steps", "async_gpu_ms_per_step", "gc_full_collections", "graph_captures")
 
 
 def closed_loop(engine, prompts: list, params: SamplingParams, concurrency: int) -> tuple[list, float]:
@@ -303,9 +307,12 @@ def sweep(args) -> dict:
                  "ar_tokens": a["summary"]["tokens"], "spec_s": round(s["seconds"], 4),
                  "ar_s": round(a["summary"]["seconds"], 4), "spec_steps": steps, "ar_steps": a["steps"]}
         if paired:  # repeats, each AR then speculative: the median of their ratios
-            ratios = sorted(ar_s / spec_s for ar_s, spec_s in paired)
+            ratios = sorted(ar_s / spec_s for ar_s, spec_s, _ in paired)
             point |= {"speedup": round(ratios[len(ratios) // 2], 3), "speedup_runs": [round(r, 3) for r in ratios],
-                      "repeats": len(paired)}
+                      "repeats": len(paired),
+                      # each run in order: both engines' seconds and what the speculative one's steps were
+                      "runs": [{"ar_s": round(ar_s, 4), "spec_s": round(spec_s, 4)}
+                               | {k: st[k] for k in RUN_STEP_FIELDS if k in st} for ar_s, spec_s, st in paired]}
         if temp == 0:
             point["identical_outputs"] = sum(x.token_ids == y.token_ids for x, y in zip(outs, a["outs"]))
         if oracle is not None:
@@ -353,7 +360,8 @@ def sweep(args) -> dict:
                 ar_runs.append(run_point(ar.engine, prompts[c], args, temp, c, captures, warm=k == 0))
                 spec_runs.append(run_point(spec.engine, prompts[c], args, temp, c, captures, warm=k == 0))
             ar_point(c, temp, *median_run(ar_runs))
-            spec_point(c, temp, *median_run(spec_runs), paired=[(a[1], b[1]) for a, b in zip(ar_runs, spec_runs)])
+            spec_point(c, temp, *median_run(spec_runs),
+                       paired=[(a[1], b[1], b[2]) for a, b in zip(ar_runs, spec_runs)])
     spec.shutdown()
     del spec
     if interleave:
@@ -365,13 +373,6 @@ def sweep(args) -> dict:
 
 def _point_id(p: dict) -> tuple:
     return p.get("model"), p.get("oracle_acceptance"), policy_of(p), p.get("concurrency"), p.get("temperature")
-
-
-def policy_of(p: dict) -> str:
-    """A point's policy; points written before the field had oracle runs on
-    fixed chains (the oracle then required it) and the embedded pair on the
-    engine's adaptive default."""
-    return p.get("policy") or ("fixed" if p.get("oracle_acceptance") else "adaptive")
 
 
 def write(args, run: dict, points: list[dict]) -> dict:
@@ -399,48 +400,6 @@ def write(args, run: dict, points: list[dict]) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     return report
-
-
-def plot(report: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    series: dict[tuple, list] = {}
-    for p in report["points"]:
-        series.setdefault((p["model"], p.get("oracle_acceptance"), policy_of(p), p["temperature"]), []).append(p)
-    fig, (ax, rx) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    xs_all = sorted({p["concurrency"] for p in report["points"]})
-    for (model, oracle, policy, temp), pts in sorted(series.items(), key=str):
-        pts.sort(key=lambda p: p["concurrency"])
-        name = f"{model}" + (f" [oracle {oracle}]" if oracle else "") + f" {policy} T={temp:g}"
-        xs = [p["concurrency"] for p in pts]
-        line, = ax.plot(xs, [p["spec_tok_s"] for p in pts], marker="o", label=f"{name} spec")
-        ax.plot(xs, [p["ar_tok_s"] for p in pts], marker="x", linestyle="--", color=line.get_color(),
-                label=f"{name} AR")
-        # the point's figure: the median of its paired run ratios (the tok/s are each side's median run)
-        rx.plot(xs, [p.get("speedup") or p["spec_tok_s"] / p["ar_tok_s"] for p in pts], marker="o",
-                color=line.get_color(), label=name)
-    for a in (ax, rx):
-        a.set_xscale("log", base=2)
-        a.set_xticks(xs_all, [str(x) for x in xs_all])
-        a.set_xlabel("requests in flight (closed loop)")
-        a.grid(alpha=0.3)
-    ax.set_yscale("log")
-    ax.set_ylabel("output tokens/s")
-    rx.axhline(1.0, color="grey", linewidth=0.8)
-    rx.set_ylabel("spec / AR")
-    oracles = sorted({str(p.get("oracle_acceptance")) for p in report["points"] if p.get("oracle_acceptance")})
-    fig.suptitle("speculative vs autoregressive, in process"
-                 + (f" | oracle_acceptance: {', '.join(oracles)} (oracle points: system throughput at that "
-                    "acceptance, not a drafter's quality)" if oracles else ""), fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
 
 
 def main(argv=None) -> dict:
