@@ -304,6 +304,25 @@ def test_a_batch_size_the_batch_passes_through_is_not_probed_on_arrival():
     assert [p.choose(48, "sampled") for _ in range(8)] == [1] * 8
 
 
+def test_each_chain_length_keeps_its_acceptance():
+    """A chain's drafts come from a block of its length (attending both
+    ways): a 2-row block's first draft is accepted less than a 4-row
+    block's. Pooled, the rows of the chain being chosen priced the other's
+    first draft, and the policy kept the shorter chain where the longer
+    emitted more a ms (H100, c=64 T=1: 1.45 tokens a row in 1.81 ms against
+    1.79 in 2.11)."""
+    p = SpecPolicy(block_size=16, shorter=(3, 1))
+    for d, ms in ((15, 6.0), (3, 2.0), (1, 1.5), (0, 1.2)):
+        for _ in range(CONFIRM):
+            p.observe(64, d, ms / 1000, "sampled")
+    p.observe(64, 15, 0.006, "sampled", [(2, 15)] * 60 + [(0, 15)] * 40)  # the whole block: 2.2 tokens
+    p.observe(64, 3, 0.002, "sampled", [(3, 3)] * 10 + [(2, 3)] * 20 + [(1, 3)] * 30 + [(0, 3)] * 40)  # 2.0 tokens
+    for _ in range(20):
+        p.observe(64, 1, 0.0015, "sampled", [(1, 1)] * 19 + [(0, 1)] * 45)  # 1.3 tokens
+    assert p.tokens("sampled", 3) == pytest.approx(2.0) and p.tokens("sampled", 1) == pytest.approx(1.3, abs=0.01)
+    assert p.choose(64, "sampled") == 3  # 2.0 tokens in 2 ms beat 1.3 in 1.5
+
+
 def test_greedy_and_sampled_batches_keep_costs_apart():
     """A greedy stretch's price of a step must not stand for sampled
     batches (H100 sweep: the T=0 points priced AR steps at padded 64 at
@@ -348,7 +367,8 @@ def test_the_losing_kinds_probes_together_cost_the_budget():
     for d in p.options:
         for _ in range(CONFIRM):
             p.observe(1, d, step_ms[d] / 1000, "greedy")
-    p.survival[("greedy", "chain")] = [0.5, 0.25, 0.16] + [0.0] * 12  # ~1.9 tokens from 3 or 7 drafts
+    for d in (7, 3):  # ~1.9 tokens from 3 or 7 drafts (each chain length keeps its own)
+        p.survival[("greedy", f"chain{d}")] = [0.5, 0.25, 0.16] + [0.0] * 12
     p.survival[("greedy", "tree")] = [0.8, 0.5, 0.3, 0.2, 0.08] + [0.0] * 10  # 2.88 from the block
     p.tree = True
     picks = timed_choices(p, 1, "greedy", 20000, {d: t / 1000 for d, t in step_ms.items()})
@@ -427,8 +447,8 @@ def test_policy_verifies_shorter_chains_where_a_whole_block_costs_too_much():
     assert p.tokens("greedy", 15) == 7 and p.tokens("greedy", 7) == 1 + 0.5 * 7  # no chain seen yet
     p.observe(8, 7, 0.002, "greedy", [(2, 7)] * 10)
     assert p.tokens("greedy", 7) == 3 and p.tokens("greedy", 15) == 7
-    # the snapshot's settled expectation of chains stops at the longest chain (positions past it are never seen)
-    assert p.snapshot()["settled_tokens_per_row"] == {"greedy/tree": 7, "greedy/chain": 3}
+    # the snapshot's settled expectation of a chain stops at its length (positions past it are never seen)
+    assert p.snapshot()["settled_tokens_per_row"] == {"greedy/tree": 7, "greedy/chain7": 3}
 
 
 @pytest.fixture(scope="module")
