@@ -27,10 +27,11 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   work (on the H100 a sweep's greedy points priced autoregressive steps at
   padded 64 at 2.67 ms, its sampled points then read that price where such
   steps ran at 1.3-1.6, and speculated at 0.86x of the AR engine). A
-  median, since a cycle's wall time has a floor and a long tail, and a losing kind is timed only by its rare probes: on the
-  H200 at c=64 T=1, moving means priced autoregressive steps at 2.23 ms
-  and 4-row chains at 2.71 where such cycles ran at 1.58 and 2.01, and the
-  policy verified 8-row chains at 0.93x of the autoregressive engine. The
+  median, since a cycle's wall time has a floor and a long tail, and a
+  losing kind is timed only by its rare probes: on the H200 at c=64 T=1,
+  moving means priced autoregressive steps at 2.23 ms and 4-row chains at
+  2.71 where such cycles ran at 1.58 and 2.01, and the policy verified
+  8-row chains at 0.93x of the autoregressive engine. The
   latest run where lower, since errors are not alike: a kind priced too
   low is chosen, so timed every step and corrected within a few; a losing
   kind priced too high is retimed only by probes, up to
@@ -48,9 +49,9 @@ load) costs about its share of rows. Both sides are measured, not assumed:
   is not a 4-row block's: on the H100 at c=8 T=1, 2-row chains emitted
   1.25 tokens a row and 4-row ones 1.69, more than their first draft
   alone could give at 2-row acceptance; pooled, the shorter chain's rows
-  priced the longer one's first draft and the policy kept the shorter); while the drafter rests no
-  row comes, and each ``S_j`` returns toward a settled mean of the same
-  rows (``SETTLED_ALPHA``, ``resting``). The losing kinds are
+  priced the longer one's first draft and the policy kept the shorter);
+  while the drafter rests no row comes, and each ``S_j`` returns toward a
+  settled mean of the same rows (``SETTLED_ALPHA``, ``resting``). The losing kinds are
   probed now and then, all of them together at a cost of at most
   ``PROBE_BUDGET`` of the throughput, each its share (``probe_every``;
   on the H200 at c=1 T=0 three losing kinds, each at the whole budget,
