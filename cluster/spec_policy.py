@@ -290,7 +290,8 @@ class SpecPolicy:
         return {"speculative_steps": sum(c for d, c in self.choices.items() if d),
                 "autoregressive_steps": self.choices.get(0, 0),
                 "steps_by_drafts": {str(d): c for d, c in sorted(self.choices.items())},
-                "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4) for k, _ in self.survival},
+                "tokens_per_speculative_row": {k: round(self.tokens(k, full), 4)
+                                               for k in sorted({k for k, _ in self.survival})},
                 "settled_tokens_per_row": {"/".join(k): round(_expected_tokens(s, self._drafts_of(k[1])), 4)
                                            for k, s in self.settled.items()},
                 "survival": _rounded(self.survival), "settled_survival": _rounded(self.settled),

@@ -253,11 +253,8 @@ def test_policy_probes_while_autoregressive():
     p.observe(4, 0, 0.001, "greedy")
     every = probe_every(PROBE_EVERY, 1 / (1.1 * 0.001 / 0.01))  # speculation 9x slower: rare probes
     assert every == MAX_PROBE_EVERY
-    picks = []
-    for _ in range(3 * (every + PROBE_STEPS)):
-        picks.append(p.choose(4, "greedy"))
-        if picks[-3:] == [0, 15, 15]:
-            p.observe(4, 15, 0.01, "greedy", rows_of(1.1))  # a probe's middle step is timed (the engine's rule)
+    # a probe's middle step is timed (the engine's rule)
+    picks = timed_choices(p, 4, "greedy", 3 * (every + PROBE_STEPS), {15: 0.01, 0: 0.001})
     assert picks == ([0] * every + [15] * PROBE_STEPS) * 3
     # probes that find cheap steps and high acceptance turn speculation on
     for _ in range(20):
